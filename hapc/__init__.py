@@ -1,0 +1,89 @@
+"""hapc: compile one PyTorch training model for a heterogeneous GPU cluster.
+
+The public API. Everything not listed in ``__all__`` is internal.
+
+    graph  = hapc.trace(model, example_inputs)     # the single-device reference graph
+    theory = hapc.derive(graph)                    # its Hoare-triple theory (HAP §4)
+    hapc.register_op(fn, "b s h, f h -> b s f")    # teach the theory a custom op
+"""
+
+from __future__ import annotations
+
+from . import ops
+from .errors import (
+    ClusterError,
+    HapcError,
+    InfeasibleError,
+    PlanError,
+    RuleError,
+    TraceError,
+    UnsupportedOpError,
+    UnsupportedOpWarning,
+)
+from .theory import (
+    DONE,
+    PARTIAL,
+    REPLICATED,
+    Layout,
+    LocalCall,
+    Operand,
+    OpView,
+    Partial,
+    Prop,
+    RefGraph,
+    Replicated,
+    Sharded,
+    ShardEnd,
+    ShardLen,
+    ShardStart,
+    Strategy,
+    Theory,
+    Triple,
+    custom_op,
+    derive,
+    register_op,
+    register_rule,
+    shard,
+    trace,
+)
+from .theory.verify import verify
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DONE",
+    "PARTIAL",
+    "REPLICATED",
+    "ClusterError",
+    "HapcError",
+    "InfeasibleError",
+    "Layout",
+    "LocalCall",
+    "OpView",
+    "Operand",
+    "Partial",
+    "PlanError",
+    "Prop",
+    "RefGraph",
+    "Replicated",
+    "RuleError",
+    "ShardEnd",
+    "ShardLen",
+    "ShardStart",
+    "Sharded",
+    "Strategy",
+    "Theory",
+    "TraceError",
+    "Triple",
+    "UnsupportedOpError",
+    "UnsupportedOpWarning",
+    "__version__",
+    "custom_op",
+    "derive",
+    "ops",
+    "register_op",
+    "register_rule",
+    "shard",
+    "trace",
+    "verify",
+]

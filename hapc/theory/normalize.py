@@ -1,0 +1,201 @@
+"""Standard modules -> their functional form, so every rule is written once (DESIGN §3).
+
+``nn.Linear`` becomes ``F.linear(x, weight)`` followed by ``+ bias``: keeping the bias add separate
+is what lets the theory express Megatron's row-parallel linear (the product is ``Partial``; the
+bias is added after the all-reduce). ``nn.Conv2d`` likewise. Dropout with ``p == 0`` or in eval
+mode disappears. A module not in the table stays a leaf call and gets only the replicate
+triple unless a rule is registered for its class.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+Normaliser = Callable[[fx.Graph, nn.Module, str, dict], "fx.Node | None"]
+NORMALISERS: dict[type, Normaliser] = {}
+
+
+def normalises(*types: type) -> Callable[[Normaliser], Normaliser]:
+    def deco(fn: Normaliser) -> Normaliser:
+        for t in types:
+            NORMALISERS[t] = fn
+        return fn
+
+    return deco
+
+
+def _attr(g: fx.Graph, qual: str, name: str) -> fx.Node:
+    return g.get_attr(f"{qual}.{name}" if qual else name)
+
+
+def _call(g: fx.Graph, fn: Callable, *args: object, **kwargs: object) -> fx.Node:
+    return g.call_function(fn, args, kwargs)
+
+
+def _add_bias(g: fx.Graph, y: fx.Node, m: nn.Module, qual: str, channel_dims: int = 0) -> fx.Node:
+    if getattr(m, "bias", None) is None:
+        return y
+    b = _attr(g, qual, "bias")
+    if channel_dims:
+        b = g.call_method("view", (b, -1, *([1] * channel_dims)))
+    return _call(g, operator.add, y, b)
+
+
+@normalises(nn.Linear)
+def _linear(g, m, qual, a):
+    return _add_bias(g, _call(g, F.linear, a["input"], _attr(g, qual, "weight")), m, qual)
+
+
+@normalises(nn.Conv1d, nn.Conv2d, nn.Conv3d)
+def _conv(g, m, qual, a):
+    if m.padding_mode != "zeros":
+        return None
+    fn = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}[type(m)]
+    y = _call(g, fn, a["input"], _attr(g, qual, "weight"), None, m.stride, m.padding, m.dilation, m.groups)
+    return _add_bias(g, y, m, qual, channel_dims=len(m.kernel_size))
+
+
+@normalises(nn.LayerNorm)
+def _layer_norm(g, m, qual, a):
+    w = _attr(g, qual, "weight") if m.weight is not None else None
+    b = _attr(g, qual, "bias") if m.bias is not None else None
+    return _call(g, F.layer_norm, a["input"], tuple(m.normalized_shape), w, b, m.eps)
+
+
+if hasattr(nn, "RMSNorm"):
+
+    @normalises(nn.RMSNorm)
+    def _rms_norm(g, m, qual, a):
+        w = _attr(g, qual, "weight") if m.weight is not None else None
+        return _call(g, F.rms_norm, a["x"], tuple(m.normalized_shape), w, m.eps)
+
+
+@normalises(nn.Embedding)
+def _embedding(g, m, qual, a):
+    if m.max_norm is not None or m.sparse:
+        return None  # renormalises the weight in place / sparse grads: keep as a leaf
+    return _call(g, F.embedding, a["input"], _attr(g, qual, "weight"), m.padding_idx)
+
+
+@normalises(nn.Dropout, nn.Dropout1d, nn.Dropout2d)
+def _dropout(g, m, qual, a):
+    if m.p == 0 or not m.training:
+        return a["input"]
+    return _call(g, F.dropout, a["input"], m.p, True)
+
+
+@normalises(nn.Identity)
+def _identity(g, m, qual, a):
+    return a["input"]
+
+
+def _simple(fn: Callable, *attrs: str, **fixed: object) -> Normaliser:
+    def norm(g, m, qual, a):
+        kwargs = {k: getattr(m, k) for k in attrs}
+        kwargs.update(fixed)
+        return g.call_function(fn, (a["input"],), kwargs)
+
+    return norm
+
+
+NORMALISERS.update(
+    {
+        nn.ReLU: _simple(F.relu),
+        nn.GELU: _simple(F.gelu, "approximate"),
+        nn.SiLU: _simple(F.silu),
+        nn.Mish: _simple(F.mish),
+        nn.Tanh: _simple(torch.tanh),
+        nn.Sigmoid: _simple(torch.sigmoid),
+        nn.LeakyReLU: _simple(F.leaky_relu, "negative_slope"),
+        nn.ELU: _simple(F.elu, "alpha"),
+        nn.Softplus: _simple(F.softplus, "beta", "threshold"),
+        nn.Hardswish: _simple(F.hardswish),
+        nn.ReLU6: _simple(F.hardtanh, min_val=0.0, max_val=6.0),
+        nn.Softmax: _simple(F.softmax, "dim"),
+        nn.LogSoftmax: _simple(F.log_softmax, "dim"),
+        nn.Flatten: _simple(torch.flatten, "start_dim", "end_dim"),
+        nn.AdaptiveAvgPool1d: _simple(F.adaptive_avg_pool1d, "output_size"),
+        nn.AdaptiveAvgPool2d: _simple(F.adaptive_avg_pool2d, "output_size"),
+    }
+)
+
+
+@normalises(nn.MaxPool1d, nn.MaxPool2d)
+def _max_pool(g, m, qual, a):
+    if m.return_indices:
+        return None
+    fn = F.max_pool1d if isinstance(m, nn.MaxPool1d) else F.max_pool2d
+    return _call(g, fn, a["input"], m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode)
+
+
+@normalises(nn.AvgPool1d, nn.AvgPool2d)
+def _avg_pool(g, m, qual, a):
+    fn = F.avg_pool1d if isinstance(m, nn.AvgPool1d) else F.avg_pool2d
+    extra = () if isinstance(m, nn.AvgPool1d) else (m.divisor_override,)
+    return _call(g, fn, a["input"], m.kernel_size, m.stride, m.padding, m.ceil_mode, m.count_include_pad, *extra)
+
+
+@normalises(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+def _batch_norm(g, m, qual, a):
+    if m.training and m.track_running_stats and m.momentum is None:
+        return None  # cumulative moving average needs num_batches_tracked: keep the module
+    training = m.training or not m.track_running_stats
+    mean = _attr(g, qual, "running_mean") if m.running_mean is not None else None
+    var = _attr(g, qual, "running_var") if m.running_var is not None else None
+    w = _attr(g, qual, "weight") if m.affine else None
+    b = _attr(g, qual, "bias") if m.affine else None
+    return _call(g, F.batch_norm, a["input"], mean, var, w, b, training, m.momentum or 0.0, m.eps)
+
+
+@normalises(nn.CrossEntropyLoss)
+def _cross_entropy(g, m, qual, a):
+    w = _attr(g, qual, "weight") if m.weight is not None else None
+    return g.call_function(
+        F.cross_entropy,
+        (a["input"], a["target"]),
+        {"weight": w, "ignore_index": m.ignore_index, "reduction": m.reduction, "label_smoothing": m.label_smoothing},
+    )
+
+
+@normalises(nn.NLLLoss)
+def _nll(g, m, qual, a):
+    w = _attr(g, qual, "weight") if m.weight is not None else None
+    return g.call_function(
+        F.nll_loss, (a["input"], a["target"]), {"weight": w, "ignore_index": m.ignore_index, "reduction": m.reduction}
+    )
+
+
+@normalises(nn.MSELoss)
+def _mse(g, m, qual, a):
+    return g.call_function(F.mse_loss, (a["input"], a["target"]), {"reduction": m.reduction})
+
+
+def normalise_modules(gm: fx.GraphModule) -> None:
+    """Rewrite every ``call_module`` of a table module into functional nodes, in place."""
+    g = gm.graph
+    for node in list(g.nodes):
+        if node.op != "call_module":
+            continue
+        mod = gm.get_submodule(node.target)
+        norm = NORMALISERS.get(type(mod))
+        if norm is None:
+            continue
+        bound = inspect.signature(mod.forward).bind(*node.args, **node.kwargs)
+        bound.apply_defaults()
+        before = set(g.nodes)
+        with g.inserting_before(node):
+            new = norm(g, mod, node.target, dict(bound.arguments))
+        if new is None:
+            continue
+        for n in set(g.nodes) - before:  # the new nodes point at the module call's source line
+            n.meta["stack_trace"] = node.meta.get("stack_trace")
+        node.replace_all_uses_with(new)
+        g.erase_node(node)
+    g.lint()

@@ -1,0 +1,652 @@
+"""``trace(model, example_inputs)``: a model becomes a :class:`RefGraph` (DESIGN §3, HAP §4.1).
+
+Three steps:
+
+1. **Symbolic trace** with ``torch.fx``. Standard ``torch.nn`` modules stay leaves and are then
+   rewritten to functional form (:mod:`hapc.theory.normalize`); data-dependent Python control
+   flow is an error naming the offending source line.
+2. **Shape propagation on the meta device.** Every parameter, buffer and input is replaced by a
+   ``meta`` tensor of the same shape and dtype, so a model with billions of parameters -- even one
+   built under ``torch.device("meta")`` -- is traced without allocating it. Flops per node come
+   from ``torch.utils.flop_counter`` on the same run.
+3. **Specialisation.** Every non-tensor value (sizes, shapes, dtypes, Python arithmetic on them)
+   is folded to a constant; tuple-returning ops are split per output (``split``/``chunk`` become
+   ``narrow``); nodes that do not reach the loss are dropped.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..errors import TraceError
+from .graph import BUFFER, INPUT, OP, PARAM, Ref, RefGraph, RefNode, TensorMeta, iter_refs
+from .normalize import NORMALISERS, normalise_modules
+from .opnames import canonical_name, qualified_name
+from .registry import Registry, default_registry
+
+
+class CurrentDevice:
+    """Stands for "the device this runs on" where the model passed ``x.device`` along."""
+
+    def __repr__(self) -> str:
+        return "<device>"
+
+
+CURRENT_DEVICE = CurrentDevice()
+
+_HAPC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+_MISSING = object()
+_SHAPE_ATTRS = {"shape", "dtype", "ndim", "device", "is_cuda", "layout", "is_sparse", "is_quantized"}
+_SHAPE_METHODS = {
+    "size",
+    "dim",
+    "numel",
+    "ndimension",
+    "nelement",
+    "element_size",
+    "is_floating_point",
+    "is_complex",
+    "get_device",
+}
+
+
+class _Proxy(fx.Proxy):
+    """A proxy that knows its value's shape and dtype (computed on meta tensors while tracing).
+
+    ``B, T, C = x.size()``, ``x.shape[-1] ** 0.5``, ``q, k, v = x.chunk(3, -1)`` and ``if x.dim() == 3``
+    then run as ordinary Python: hapc specialises shapes anyway. Control flow on tensor *values*
+    still fails, with the offending line.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        val = self.node.meta.get("hapc_val", _MISSING)
+        if isinstance(val, torch.Tensor):
+            if name == "device":  # where the model really lives, not the meta device of tracing
+                return self.tracer.device  # type: ignore[attr-defined]
+            if name in _SHAPE_ATTRS or name in _SHAPE_METHODS:
+                return getattr(val, name)
+        if isinstance(val, tuple) and name in ("values", "indices"):  # x.max(dim).values
+            return self[0 if name == "values" else 1]
+        return super().__getattr__(name)
+
+    def __len__(self) -> int:
+        val = self.node.meta.get("hapc_val", _MISSING)
+        if isinstance(val, (torch.Tensor, tuple, list)):
+            return len(val)
+        return super().__len__()
+
+    def __iter__(self) -> Any:
+        val = self.node.meta.get("hapc_val", _MISSING)
+        if isinstance(val, (torch.Tensor, tuple, list)):
+            return iter([self[i] for i in range(len(val))])
+        return super().__iter__()
+
+
+class _Tracer(fx.Tracer):
+    def __init__(self, leaves: tuple[type, ...], registry: Registry, example_inputs: Any):
+        autowrap = tuple(registry.custom_functions.values())
+        super().__init__(autowrap_functions=autowrap)
+        self.leaves = leaves
+        self.record_stack_traces = True
+        self.example_inputs = example_inputs
+        self._placeholders = 0
+        self.device = _example_device(example_inputs)
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if isinstance(m, self.leaves) or type(m) in NORMALISERS:
+            return True
+        return super().is_leaf_module(m, qualname)
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _Proxy(node, self)
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        p = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        try:
+            p.node.meta["hapc_val"] = self._meta_value(p.node)
+        except Exception:  # the authoritative propagation after tracing reports real problems
+            p.node.meta["hapc_val"] = _MISSING
+        return p
+
+    def _meta_value(self, node: fx.Node) -> Any:
+        if node.op == "placeholder":
+            k = self._placeholders
+            self._placeholders += 1
+            ex = self.example_inputs
+            if isinstance(ex, dict):
+                val = ex.get(node.target, node.args[0] if node.args else _MISSING)
+            else:
+                ex = (ex,) if isinstance(ex, torch.Tensor) else tuple(ex)
+                val = ex[k] if k < len(ex) else (node.args[0] if node.args else _MISSING)
+            return _to_meta(val)
+        if node.op == "get_attr":
+            return _to_meta(_raw_attr(self.root, node.target))
+
+        def val(n: fx.Node) -> Any:
+            v = n.meta.get("hapc_val", _MISSING)
+            if v is _MISSING:
+                raise LookupError
+            return v
+
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), val)
+        with torch.device("meta"):
+            if node.op == "call_function":
+                return node.target(*args, **kwargs)
+            if node.op == "call_method":
+                return getattr(args[0], node.target)(*args[1:], **kwargs)
+            return _call_leaf(self.root.get_submodule(node.target), args, kwargs)
+
+
+def _example_device(example_inputs: Any) -> torch.device:
+    values = example_inputs.values() if isinstance(example_inputs, dict) else example_inputs
+    values = (values,) if isinstance(values, torch.Tensor) else values
+    return next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
+
+
+def trace(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | dict[str, Any],
+    *,
+    leaf_modules: Sequence[type] = (),
+    registry: Registry | None = None,
+) -> RefGraph:
+    """Trace ``model`` into a reference graph with static shapes, dtypes and flops.
+
+    Args:
+        model: an ``nn.Module`` whose ``forward`` returns the scalar training loss. It may live on
+            any device, including ``meta``.
+        example_inputs: positional inputs (tuple/list) or keyword inputs (dict). Only shapes and
+            dtypes are read; meta tensors are fine.
+        leaf_modules: module classes to keep as single ops (give them a rule with
+            ``hapc.register_op(MyModule, "...")``).
+
+    Raises:
+        TraceError: the model cannot be traced statically; the message names the source line.
+    """
+    registry = registry or default_registry
+    if not isinstance(model, nn.Module):
+        raise TraceError(f"hapc traces nn.Module instances, got {type(model).__name__}")
+    tracer = _Tracer(tuple(leaf_modules), registry, example_inputs)
+    try:
+        graph = tracer.trace(model)
+    except Exception as exc:
+        raise TraceError(_untraceable_message(model, exc)) from exc
+    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    normalise_modules(gm)
+    values, flops = _propagate(gm, model, example_inputs)
+    return _Builder(gm, model, values, flops).run()
+
+
+# --------------------------------------------------------------------------------------------
+# 1. errors at trace time
+
+
+def _user_frame(tb: Any) -> traceback.FrameSummary | None:
+    frames = traceback.extract_tb(tb)
+    for fr in reversed(frames):
+        f = os.path.abspath(fr.filename)
+        if not f.startswith((_TORCH_DIR, _HAPC_DIR)) and "<" not in fr.filename:
+            return fr
+    return None
+
+
+def _untraceable_message(model: nn.Module, exc: Exception) -> str:
+    fr = _user_frame(exc.__traceback__)
+    where = f"{fr.filename}:{fr.lineno} in {fr.name}: {(fr.line or '').strip()}" if fr else "(unknown line)"
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    hint = (
+        "hapc needs a static graph: replace data-dependent Python control flow (if/while on tensor "
+        "values, .item(), len() of tensors) by tensor ops such as torch.where, or move that logic "
+        "into a function decorated with @hapc.custom_op and give it a rule"
+    )
+    return f"cannot trace {type(model).__name__}: {reason}\n  at {where}\n  {hint}"
+
+
+def _source(node: fx.Node) -> str:
+    st = node.meta.get("stack_trace") or ""
+    lines = [ln for ln in st.strip().splitlines() if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        ln = lines[i].strip()
+        if ln.startswith("File "):
+            try:
+                fname = ln.split('"')[1]
+                lineno = ln.split("line ")[1].split(",")[0]
+            except IndexError:
+                continue
+            if os.path.abspath(fname).startswith((_TORCH_DIR, _HAPC_DIR)):
+                continue
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f"{os.path.basename(fname)}:{lineno}: {code}"
+    return node.format_node() or node.name
+
+
+# --------------------------------------------------------------------------------------------
+# 2. shape propagation on meta tensors
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        t = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+        return t.requires_grad_(value.requires_grad) if value.is_floating_point() else t
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_meta(v) for k, v in value.items()}
+    return value
+
+
+def _raw_attr(obj: Any, qualname: str) -> Any:
+    """Attribute lookup that bypasses fx's patched ``Module.__getattr__`` (which makes proxies)."""
+    for part in qualname.split("."):
+        if isinstance(obj, nn.Module):
+            for table in (obj._parameters, obj._buffers, obj._modules, obj.__dict__):
+                if part in table:
+                    obj = table[part]
+                    break
+            else:
+                obj = getattr(obj, part)
+        else:
+            obj = getattr(obj, part)
+    return obj
+
+
+def _attr(obj: Any, qualname: str) -> Any:
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _bind_inputs(gm: fx.GraphModule, example_inputs: Any) -> dict[str, Any]:
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    if isinstance(example_inputs, dict):
+        missing = [n for n in names if n not in example_inputs and not n.startswith("*")]
+        if missing:
+            raise TraceError(f"example_inputs has no value for model input(s) {missing}")
+        return {n: example_inputs[n] for n in names if n in example_inputs}
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    example_inputs = tuple(example_inputs)
+    if len(example_inputs) > len(names):
+        raise TraceError(f"model forward takes {len(names)} inputs {names}, got {len(example_inputs)} example inputs")
+    bound = dict(zip(names, example_inputs))
+    for n in gm.graph.nodes:  # defaults of forward(...) for inputs not given
+        if n.op == "placeholder" and n.target not in bound:
+            if not n.args:
+                raise TraceError(f"no example input for model input {n.target!r}")
+            bound[n.target] = n.args[0]
+    return bound
+
+
+def _propagate(gm: fx.GraphModule, model: nn.Module, example_inputs: Any) -> tuple[dict, dict]:
+    """Run the normalised graph on meta tensors: every node's value, and flops of tensor ops."""
+    inputs = _bind_inputs(gm, example_inputs)
+    env: dict[fx.Node, Any] = {}
+    flops: dict[fx.Node, float] = {}
+
+    def load(a: Any) -> Any:
+        return fx.node.map_arg(a, lambda n: env[n])
+
+    with torch.device("meta"):
+        for node in gm.graph.nodes:
+            try:
+                if node.op == "placeholder":
+                    env[node] = _to_meta(inputs[node.target])
+                elif node.op == "get_attr":
+                    env[node] = _to_meta(_attr(gm, node.target))
+                elif node.op == "output":
+                    env[node] = load(node.args[0])
+                else:
+                    args, kwargs = load(node.args), load(node.kwargs)
+                    with FlopCounterMode(display=False) as counter:
+                        if node.op == "call_function":
+                            out = node.target(*args, **kwargs)
+                        elif node.op == "call_method":
+                            out = getattr(args[0], node.target)(*args[1:], **kwargs)
+                        else:
+                            out = _call_leaf(gm.get_submodule(node.target), args, kwargs)
+                    env[node] = out
+                    flops[node] = float(counter.get_total_flops())
+            except TraceError:
+                raise
+            except Exception as exc:
+                raise TraceError(
+                    f"cannot compute shapes at node {node.name} ({_source(node)}): "
+                    f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}\n"
+                    "  hapc needs every shape and Python value to be static (no .item(), .tolist(), "
+                    "or ops whose output size depends on tensor values)"
+                ) from exc
+    return env, flops
+
+
+def _call_leaf(mod: nn.Module, args: tuple, kwargs: dict) -> Any:
+    state = {k: _to_meta(v) for k, v in {**dict(mod.named_parameters()), **dict(mod.named_buffers())}.items()}
+    return torch.func.functional_call(mod, state, args, kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. specialisation into a RefGraph
+
+_SPLITTERS = {"split", "chunk", "tensor_split", "unbind", "split_with_sizes"}
+_MEAN_LOSSES = {"cross_entropy", "nll_loss", "mse_loss"}
+
+
+class _Builder:
+    def __init__(self, gm: fx.GraphModule, model: nn.Module, values: dict, flops: dict):
+        self.gm, self.model, self.values, self.flops = gm, model, values, flops
+        self.nodes: list[RefNode] = []
+        self.env: dict[fx.Node, Any] = {}  # fx node -> Ref / tuple of Refs / constant
+        self.elements: dict[tuple[fx.Node, int], Ref] = {}
+        self.params = dict(model.named_parameters())
+        self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
+
+    def add(self, **fields: Any) -> Ref:
+        node = RefNode(index=len(self.nodes), **fields)
+        self.nodes.append(node)
+        return Ref(node.index)
+
+    def arg(self, a: Any) -> Any:
+        def sub(n: fx.Node) -> Any:
+            v = self.env[n]
+            if isinstance(v, _Tuple):
+                return tuple(self.element(n, i) for i in range(len(self.values[n])))
+            return v
+
+        return _fold_devices(fx.node.map_arg(a, sub))
+
+    def element(self, fxnode: fx.Node, i: int) -> Ref:
+        """Reference to output ``i`` of a tuple-returning op (created on first use)."""
+        key = (fxnode, i)
+        if key not in self.elements:
+            value = self.values[fxnode][i]
+            if not isinstance(value, torch.Tensor):
+                raise TraceError(f"node {fxnode.name} ({_source(fxnode)}): output {i} is not a tensor")
+            spec = self.env[fxnode]
+            self.elements[key] = self.add(
+                name=f"{fxnode.name}_{i}",
+                kind=OP,
+                **_element_op(spec, i, self.values[fxnode]),
+                meta=_meta(value),
+                flops=self.flops.get(fxnode, 0.0) / len(self.values[fxnode]),
+                source=_source(fxnode),
+            )
+        return self.elements[key]
+
+    def run(self) -> RefGraph:
+        input_names = []
+        for n in self.gm.graph.nodes:
+            v = self.values.get(n)
+            if n.op == "placeholder":
+                if not isinstance(v, torch.Tensor):
+                    self.env[n] = _fold_devices(v)
+                    continue
+                input_names.append(n.target)
+                self.env[n] = self.add(name=n.target, kind=INPUT, op="input", target=n.target, meta=_meta(v))
+            elif n.op == "get_attr":
+                if not isinstance(v, torch.Tensor):
+                    self.env[n] = v
+                    continue
+                kind = PARAM if n.target in self.params and self.params[n.target].requires_grad else BUFFER
+                self.env[n] = self.add(
+                    name=n.target.replace(".", "_"),
+                    kind=kind,
+                    op=kind,
+                    target=n.target,
+                    meta=_meta(v),
+                    requires_grad=kind == PARAM,
+                    source=n.target,
+                )
+            elif n.op == "output":
+                self.env[n] = self.arg(n.args[0])
+            elif isinstance(v, torch.Tensor):
+                self.env[n] = self.add_op(n, v)
+            elif isinstance(v, (tuple, list)) and v and all(isinstance(t, torch.Tensor) for t in v):
+                self.env[n] = _Tuple(n, self.arg(n.args), self.arg(n.kwargs))
+            else:
+                self.env[n] = _fold_devices(v)  # sizes, shapes, dtypes, Python numbers
+        out = self.env[next(n for n in self.gm.graph.nodes if n.op == "output")]
+        return self.finish(out, input_names)
+
+    def add_op(self, n: fx.Node, value: torch.Tensor) -> Ref:
+        is_method = n.op == "call_method"
+        target = n.target if n.op != "call_module" else self.gm.get_submodule(n.target)
+        if n.target is operator.getitem and isinstance(self.env.get(n.args[0]), _Tuple):
+            i = self.arg(n.args[1])
+            return self.element(n.args[0], i if i >= 0 else i + len(self.values[n.args[0]]))
+        args, kwargs = self.arg(n.args), self.arg(n.kwargs)
+        if is_method and target.endswith("_") and not target.endswith("__"):
+            target = self._out_of_place(n)
+        if kwargs.get("inplace"):
+            kwargs["inplace"] = False
+        op = canonical_name(type(target) if n.op == "call_module" else target, is_method)
+        if op in _MEAN_LOSSES and not is_method:
+            ref = self._decompose_mean_loss(n, op, value, args, kwargs)
+            if ref is not None:
+                return ref
+        return self.add(
+            name=n.name,
+            kind=OP,
+            op=op,
+            target=target,
+            args=args,
+            kwargs=kwargs,
+            meta=_meta(value),
+            is_method=is_method,
+            flops=self.flops.get(n, 0.0),
+            source=_source(n),
+        )
+
+    def _decompose_mean_loss(self, n: fx.Node, op: str, value: torch.Tensor, args: tuple, kwargs: dict) -> Ref | None:
+        """``loss(reduction='mean')`` -> ``loss(reduction='sum') / denominator``.
+
+        A mean over a batch-sharded loss is a local *sum* divided by the global denominator;
+        written this way the theory shards it with ordinary rules. For class-index targets the
+        denominator counts (or weighs) the targets that are not ``ignore_index`` -- data dependent,
+        so it is a node of its own that the program all-reduces (a few bytes), never a guess.
+        """
+        import inspect
+
+        from .. import ops as hops
+
+        bound = inspect.signature(n.target).bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = dict(bound.arguments)
+        if a.get("reduction") != "mean" or a.get("size_average") is not None or a.get("reduce") is not None:
+            return None
+        x, t = a["input"], a["target"]
+        tmeta, xmeta = self.nodes[t.index].meta, self.nodes[x.index].meta
+        if op == "mse_loss":
+            denom: Any = float(xmeta.numel)
+        elif tmeta.is_float:  # class probabilities: mean over every position but the class dim
+            denom = float(xmeta.numel // (xmeta.shape[1] if xmeta.rank > 1 else xmeta.shape[0]))
+        elif a.get("weight") is not None and a.get("label_smoothing", 0.0):
+            return None  # weighted label smoothing has its own normaliser: keep the op whole
+        else:
+            denom = None
+        src = _source(n)
+        sum_kwargs = {k: v for k, v in a.items() if k not in ("input", "target", "size_average", "reduce")}
+        sum_kwargs["reduction"] = "sum"
+        total = self.add(
+            name=f"{n.name}_sum",
+            kind=OP,
+            op=op,
+            target=n.target,
+            args=(x, t),
+            kwargs=sum_kwargs,
+            meta=_meta(value),
+            flops=self.flops.get(n, 0.0),
+            source=src,
+        )
+        if denom is None:
+            if a.get("weight") is not None:
+                denom = self.add(
+                    name=f"{n.name}_weight",
+                    kind=OP,
+                    op=canonical_name(hops.target_weight_sum),
+                    target=hops.target_weight_sum,
+                    args=(t, a["weight"], a["ignore_index"]),
+                    meta=_meta(value),
+                    source=src,
+                )
+            else:
+                denom = self.add(
+                    name=f"{n.name}_count",
+                    kind=OP,
+                    op=canonical_name(hops.target_count),
+                    target=hops.target_count,
+                    args=(t, a["ignore_index"]),
+                    kwargs={"dtype": value.dtype},
+                    meta=_meta(value),
+                    source=src,
+                )
+        return self.add(
+            name=n.name,
+            kind=OP,
+            op="div",
+            target=operator.truediv,
+            args=(total, denom),
+            meta=_meta(value),
+            source=src,
+        )
+
+    def _out_of_place(self, n: fx.Node) -> str:
+        mutated = n.args[0]
+        later = [u for u in mutated.users if u is not n and self.order[u] > self.order[n]]
+        if later:
+            raise TraceError(
+                f"in-place {n.target}() at {_source(n)} mutates {mutated.name}, which is used again "
+                f"later ({later[0].name}); write it out of place (y = x.{n.target[:-1]}(...))"
+            )
+        name = n.target[:-1]
+        if not hasattr(torch.Tensor, name):
+            raise TraceError(f"in-place {n.target}() at {_source(n)} has no out-of-place form")
+        return name
+
+    def finish(self, out: Any, input_names: list[str]) -> RefGraph:
+        if isinstance(out, (tuple, list, dict)) or not isinstance(out, Ref):
+            raise TraceError(
+                f"the model's forward must return the scalar training loss (a tensor), got "
+                f"{type(out).__name__}; return only the loss, e.g. `return F.cross_entropy(logits, y)`"
+            )
+        loss = self.nodes[out.index]
+        if loss.meta.rank != 0 or not loss.meta.is_float:
+            raise TraceError(
+                f"the model's forward must return a scalar floating-point loss, got {loss.meta!r} "
+                f"from {loss.source}; reduce it (e.g. .mean() or .sum())"
+            )
+        keep = _reachable(self.nodes, out.index)
+        remap = {old: new for new, old in enumerate(sorted(keep))}
+        nodes = []
+        for old in sorted(keep):
+            nd = self.nodes[old]
+            nd.index = remap[old]
+            nd.args, nd.kwargs = _remap((nd.args, nd.kwargs), remap)
+            nodes.append(nd)
+        _fill_grad_and_cost(nodes)
+        graph = RefGraph(nodes, self.model, [n for n in input_names if any(x.name == n for x in nodes)])
+        return graph
+
+
+class _Tuple:
+    """Placeholder for a tuple-returning op until its elements are used."""
+
+    def __init__(self, node: fx.Node, args: Any, kwargs: Any):
+        self.node, self.args, self.kwargs = node, args, kwargs
+
+
+def _element_op(spec: _Tuple, i: int, values: Sequence[torch.Tensor]) -> dict[str, Any]:
+    n = spec.node
+    is_method = n.op == "call_method"
+    name = (
+        canonical_name(n.target, is_method)
+        if n.op != "call_module"
+        else qualified_name(type(n.graph.owning_module.get_submodule(n.target)))
+    )
+    if name in _SPLITTERS:
+        x = spec.args[0]
+        pos = 1 if name == "unbind" else 2
+        dim = spec.kwargs.get("dim", spec.args[pos] if len(spec.args) > pos else 0)
+        rank = values[i].dim() + (1 if name == "unbind" else 0)
+        dim = dim + rank if dim < 0 else dim
+        if name == "unbind":
+            return {"op": "select", "target": torch.select, "args": (x, dim, i), "kwargs": {}}
+        start = sum(int(v.shape[dim]) for v in values[:i])
+        return {
+            "op": "narrow",
+            "target": torch.narrow,
+            "args": (x, dim, start, int(values[i].shape[dim])),
+            "kwargs": {},
+        }
+    target = n.target if n.op != "call_module" else n.graph.owning_module.get_submodule(n.target)
+    return {
+        "op": name,
+        "target": target,
+        "args": spec.args,
+        "kwargs": spec.kwargs,
+        "is_method": is_method,
+        "out_index": i,
+    }
+
+
+def _meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(tuple(int(s) for s in t.shape), t.dtype)
+
+
+def _fold_devices(value: Any) -> Any:
+    if isinstance(value, torch.device) and value.type == "meta":
+        return CURRENT_DEVICE
+    if isinstance(value, torch.Size):
+        return tuple(int(s) for s in value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_fold_devices(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _fold_devices(v) for k, v in value.items()}
+    return value
+
+
+def _reachable(nodes: list[RefNode], out: int) -> set[int]:
+    keep, stack = set(), [out]
+    while stack:
+        i = stack.pop()
+        if i in keep:
+            continue
+        keep.add(i)
+        stack.extend(r.index for r in iter_refs((nodes[i].args, nodes[i].kwargs)))
+    return keep
+
+
+def _remap(value: Any, remap: dict[int, int]) -> Any:
+    from .graph import map_refs
+
+    return map_refs(value, lambda r: Ref(remap[r.index]))
+
+
+def _fill_grad_and_cost(nodes: list[RefNode]) -> None:
+    """requires_grad, memory traffic and backward work of every op node."""
+    for n in nodes:
+        if n.kind != OP:
+            continue
+        ops = [nodes[i] for i in n.operands]
+        n.requires_grad = n.meta.is_float and any(o.requires_grad for o in ops)
+        n.mem_bytes = float(sum(o.meta.nbytes for o in ops) + n.meta.nbytes)
+
+
+def backward_work(node: RefNode, nodes: Sequence[RefNode]) -> tuple[float, float]:
+    """``(flops, bytes)`` of a node's backward: each differentiable operand of a contraction
+    costs one more product of the forward's size (capped at two: dX and dW); memory-bound ops
+    move about as many bytes backward as forward."""
+    if not node.requires_grad:
+        return 0.0, 0.0
+    grads = sum(1 for i in dict.fromkeys(node.operands) if nodes[i].requires_grad)
+    return node.flops * min(grads, 2), node.mem_bytes

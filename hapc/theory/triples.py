@@ -1,0 +1,437 @@
+"""Hoare triples and the theory of a model (HAP §4.2, §4.4, §4.5).
+
+``derive(graph)`` builds, for a :class:`~hapc.theory.graph.RefGraph`, every triple
+``{pre} instructions {post}`` a distributed program may use:
+
+* **source** triples -- inputs, parameters and buffers, replicated or sharded on any dim;
+* **computation** triples -- one per strategy of each node's rule, plus replicate-everything;
+  for a linear layer whose weight has one use, also the SFB triple (HAP §4.4);
+* **communication** triples -- for every tensor that may move between the layouts its producers
+  and consumers use: all-gather (padded and grouped), reduce-scatter (padded and grouped),
+  all-reduce, all-to-all, and the free local slice;
+* the **loss** triples ``{loss | P} Loss {Done}`` and ``{loss | R} Loss {Done}``.
+
+and then applies HAP §4.5's search-space optimisations:
+
+1. triples with an empty precondition are *fused* into their consumers
+   (``{Pre2 \\ Post1} I1; I2 {Post1 ∪ Post2}``), repeatedly, so sources appear right before their
+   first use; a source used by a single node is always fused;
+2. each tensor is communicated at most once (exclusive *tokens*), and tensors that can be
+   sourced in any layout (inputs, parameters, buffers) are not communicated at all unless
+   ``param_comm=True`` (which adds ZeRO-3/FSDP-style all-gathered parameters);
+3. ``consumers`` indexes, for every property, the triples that need it, so the search can drop
+   properties no useful triple needs any more (``hapc.synth``).
+
+Triples whose precondition can never hold, or whose postcondition nobody needs, are removed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+from ..errors import UnsupportedOpError, UnsupportedOpWarning
+from .cost import Comm, CostProfile, Linear
+from .granularity import Granularity, Key
+from .graph import BUFFER, INPUT, OP, PARAM, RefGraph, RefNode
+from .instructions import COLLECTIVES, Collective, Compute, Instruction, Loss, Source
+from .props import DONE, PARTIAL, REPLICATED, Layout, Prop
+from .registry import OpView, Registry, default_registry
+from .strategy import OUT, Strategy
+from .trace import backward_work
+
+
+@dataclass(frozen=True, eq=False)
+class Triple:
+    """``{pre} instrs {post}`` with its cost profile and exclusivity tokens."""
+
+    pre: frozenset[Prop]
+    post: frozenset[Prop]
+    instrs: tuple[Instruction, ...]
+    cost: CostProfile
+    tokens: frozenset[tuple[str, int]] = frozenset()
+    complete: frozenset[int] = frozenset()  # parameters whose gradient this triple makes whole (SFB)
+
+    @property
+    def kind(self) -> str:
+        """``source`` / ``compute`` / ``comm`` / ``loss`` of the last (defining) instruction."""
+        last = self.instrs[-1]
+        return {Source: "source", Compute: "compute", Collective: "comm", Loss: "loss"}[type(last)]
+
+    def fuse_after(self, source: Triple) -> Triple:
+        """``source`` (empty precondition) placed right before ``self``.
+
+        A parameter whose gradient ``self`` completes (SFB) loses its gradient all-reduce.
+        """
+        src_cost = source.cost
+        if any(isinstance(i, Source) and i.ref in self.complete for i in source.instrs):
+            src_cost = replace(src_cost, bwd_comm=())
+        return Triple(
+            self.pre - source.post,
+            source.post | self.post,
+            source.instrs + self.instrs,
+            src_cost + self.cost,
+            source.tokens | self.tokens,
+            source.complete | self.complete,
+        )
+
+
+@dataclass
+class Theory:
+    """The background theory of one reference graph."""
+
+    graph: RefGraph
+    triples: list[Triple]
+    strategies: dict[int, list[Strategy]]
+    granularity: dict[Key, tuple[int, Key]]
+    raw_counts: dict[str, int]
+    unsupported: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.consumers: dict[Prop, list[int]] = defaultdict(list)
+        self.producers: dict[Prop, list[int]] = defaultdict(list)
+        for i, t in enumerate(self.triples):
+            for p in t.pre:
+                self.consumers[p].append(i)
+            for p in t.post:
+                self.producers[p].append(i)
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def props(self) -> list[Prop]:
+        seen: dict[Prop, None] = {}
+        for t in self.triples:
+            seen.update(dict.fromkeys(t.pre))
+            seen.update(dict.fromkeys(t.post))
+        return list(seen)
+
+    def strategy(self, ref: int, key: str) -> Strategy:
+        for s in self.strategies.get(ref, []):
+            if s.key() == key:
+                return s
+        raise KeyError(f"node %{ref} has no strategy {key!r}")
+
+    def atoms(self, ref: int, dim: int) -> int:
+        """How many indivisible units dim ``dim`` of node ``ref`` is cut into."""
+        return self.granularity.get((ref, dim), (self.graph[ref].shape[dim], (ref, dim)))[0]
+
+    def local_sizes(self, ref: int, dim: int, ratios: Sequence[float]) -> list[int]:
+        """Per-device sizes of dim ``dim`` of node ``ref`` for the given ratios."""
+        from ..balance.rounding import round_shares
+
+        n = self.graph[ref].shape[dim]
+        atoms = self.atoms(ref, dim)
+        return [a * (n // atoms) for a in round_shares(atoms, ratios)]
+
+    def counts(self) -> dict[str, int]:
+        c: dict[str, int] = defaultdict(int)
+        for t in self.triples:
+            c[t.kind] += 1
+        return {"triples": len(self.triples), **dict(c), "properties": len(self.props)}
+
+    def fmt_prop(self, p: Prop) -> str:
+        if p == DONE:
+            return "Done"
+        name = self.graph[p.ref].name
+        lay = p.layout
+        if lay.is_replicated:
+            return f"Replicated({name})"
+        if lay.is_partial:
+            return f"Partial({name})"
+        return f"Sharded({name}, {lay.dim})"
+
+    def fmt_instr(self, ins: Instruction) -> str:
+        name = self.graph[ins.ref].name
+        if isinstance(ins, Compute):
+            node = self.graph[ins.ref]
+            label = ins.strategy_key.split(":", 1)[0]
+            args = ", ".join(self.graph[o].name for o in node.operands)
+            return f"{name} = {node.op}[{label}]({args})"
+        if isinstance(ins, Source):
+            node = self.graph[ins.ref]
+            how = "" if ins.layout.is_replicated else f".shard({ins.layout.dim})"
+            return f"{name} = {node.kind}{how}"
+        return ins.describe(name)
+
+    def fmt_triple(self, t: Triple) -> str:
+        pre = ", ".join(sorted(self.fmt_prop(p) for p in t.pre))
+        post = ", ".join(sorted(self.fmt_prop(p) for p in t.post))
+        body = "; ".join(self.fmt_instr(i) for i in t.instrs)
+        return f"{{{pre}}} {body} {{{post}}}"
+
+
+def derive(
+    graph: RefGraph,
+    *,
+    registry: Registry | None = None,
+    strict: bool = False,
+    sfb: bool = True,
+    variants: Sequence[str] = ("padded", "grouped"),
+    param_comm: bool = False,
+    optimise: bool = True,
+) -> Theory:
+    """The theory of ``graph``: all triples, optimised per HAP §4.5 (see module docstring).
+
+    Args:
+        strict: raise :class:`UnsupportedOpError` for an op without a rule (default: warn and
+            replicate it).
+        sfb: add sufficient-factor-broadcasting triples for single-use linear weights.
+        variants: all-gather / reduce-scatter implementations to offer (``padded``, ``grouped``).
+        param_comm: allow communicating parameters (all-gathered sharded weights, ZeRO-3 style).
+        optimise: apply fusion and relevance pruning (off: the raw theory, for inspection).
+    """
+    b = _Builder(graph, registry or default_registry, strict, sfb, tuple(variants), param_comm)
+    return b.build(optimise)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+class _Builder:
+    def __init__(self, graph: RefGraph, registry: Registry, strict: bool, sfb: bool, variants, param_comm):
+        self.g, self.registry, self.strict, self.sfb = graph, registry, strict, sfb
+        self.variants, self.param_comm = variants, param_comm
+        self.strategies: dict[int, list[Strategy]] = {}
+        self.gran = Granularity()
+        self.unsupported: list[str] = []
+
+    # -- per-node strategies -------------------------------------------------------------------
+    def node_strategies(self, n: RefNode) -> list[Strategy]:
+        from .sfb import sfb_strategies
+
+        ops = n.operands
+        rep = Strategy(tuple(REPLICATED for _ in ops), REPLICATED, scaled=False, name="replicate")
+        rule = self.registry.get(n.op)
+        found: list[Strategy] = []
+        if rule is None:
+            self.no_rule(n)
+        else:
+            found = rule.strategies(OpView(n, self.g))
+        if self.sfb:
+            found += sfb_strategies(OpView(n, self.g), found)
+        out, seen = [rep], {(rep.inputs, rep.output)}
+        for s in found:
+            if (s.inputs, s.output) not in seen or s.name == "sfb":
+                seen.add((s.inputs, s.output))
+                out.append(s)
+        return out
+
+    def no_rule(self, n: RefNode) -> None:
+        target = n.target if not n.is_method else f"torch.Tensor.{n.target}"
+        tname = getattr(target, "__qualname__", None) or str(target)
+        shapes = ", ".join(" ".join(f"d{k}" for k in range(self.g[o].meta.rank)) for o in n.operands)
+        out = " ".join(f"d{k}" for k in range(n.meta.rank))
+        msg = (
+            f"op {n.op!r} (node {n.name}, {n.source}) has no sharding rule, so it will run "
+            f"replicated on every device. Register one, e.g.\n"
+            f'    hapc.register_op({tname}, "{shapes} -> {out}")\n'
+            f"(rename the dims so shared indices share a name; see `hapc rules` and the README)"
+        )
+        if self.strict:
+            raise UnsupportedOpError(msg)
+        if n.op not in self.unsupported:
+            self.unsupported.append(n.op)
+            warnings.warn(msg, UnsupportedOpWarning, stacklevel=4)
+
+    # -- triples -----------------------------------------------------------------------------
+    def compute_triple(self, n: RefNode, s: Strategy) -> Triple:
+        pre = frozenset(Prop(o, lay) for o, lay in zip(n.operands, s.inputs))
+        scaled = s.is_scaled
+        bwd_flops, bwd_bytes = backward_work(n, self.g.nodes)
+        if s.flops is not None:
+            fwd_f, bwd_f = s.flops
+        else:
+            fwd_f, bwd_f = Linear.split(n.flops, scaled), Linear.split(bwd_flops, scaled)
+        act = Linear.split(n.meta.nbytes, s.output.is_sharded) if n.requires_grad else Linear()
+        cost = CostProfile(
+            fwd_flops=fwd_f,
+            bwd_flops=bwd_f,
+            fwd_bytes=Linear.split(n.mem_bytes, scaled),
+            bwd_bytes=Linear.split(bwd_bytes, scaled),
+            fwd_comm=s.fwd_comm,
+            bwd_comm=s.bwd_comm if n.requires_grad else (),
+            act_bytes=act,
+        ) + self.hidden_params(n)
+        ins = Compute(n.index, s.key(), s.inputs, s.output)
+        complete = frozenset(n.operands[i] for i in s.grad_complete)
+        return Triple(pre, frozenset({Prop(n.index, s.output)}), (ins,), cost, complete=complete)
+
+    def hidden_params(self, n: RefNode) -> CostProfile:
+        """A leaf module's own parameters: replicated, gradients all-reduced."""
+        import torch.nn as nn
+
+        if not isinstance(n.target, nn.Module):
+            return CostProfile()
+        nbytes = sum(p.numel() * p.element_size() for p in n.target.parameters() if p.requires_grad)
+        if not nbytes:
+            return CostProfile()
+        return CostProfile(param_bytes=Linear(nbytes, 0.0), bwd_comm=(Comm("all_reduce", nbytes, "full"),))
+
+    def source_triple(self, n: RefNode, lay: Layout) -> Triple:
+        nbytes = n.meta.nbytes
+        cost = CostProfile()
+        if n.kind == PARAM:
+            grad = (Comm("all_reduce", nbytes, "full"),) if lay.is_replicated else ()
+            cost = CostProfile(param_bytes=Linear.split(nbytes, lay.is_sharded), bwd_comm=grad)
+        tokens = frozenset({("src", n.index)}) if n.kind == PARAM else frozenset()
+        return Triple(frozenset(), frozenset({Prop(n.index, lay)}), (Source(n.index, lay),), cost, tokens)
+
+    def comm_triples(self, n: RefNode, have: set[Layout], want: set[Layout]) -> Iterable[Triple]:
+        nbytes = n.meta.nbytes
+        grad = n.requires_grad
+        token = frozenset({("comm", n.index)})
+
+        def make(op: str, src: Layout, dst: Layout, variant: str = "") -> Triple:
+            fwd, bwd = COLLECTIVES[op][variant]
+            scaling = {"padded": "max", "grouped": "each"}.get(variant, "full")
+            if op == "all_to_all":
+                scaling = "max"
+            cost = CostProfile(
+                fwd_comm=(Comm(fwd, nbytes, scaling),) if fwd else (),
+                bwd_comm=(Comm(bwd, nbytes, scaling),) if bwd and grad else (),
+                act_bytes=Linear.split(nbytes, dst.is_sharded) if grad else Linear(),
+            )
+            ins = Collective(n.index, op, src, dst, variant)
+            return Triple(frozenset({Prop(n.index, src)}), frozenset({Prop(n.index, dst)}), (ins,), cost, token)
+
+        for src in sorted(have, key=repr):
+            for dst in sorted(want - {src}, key=repr):
+                if src.is_sharded and dst.is_replicated:
+                    yield from (make("all_gather", src, dst, v) for v in self.variants)
+                elif src.is_partial and dst.is_sharded:
+                    yield from (make("reduce_scatter", src, dst, v) for v in self.variants)
+                elif src.is_partial and dst.is_replicated:
+                    yield make("all_reduce", src, dst)
+                elif src.is_sharded and dst.is_sharded:
+                    yield make("all_to_all", src, dst)
+                elif src.is_replicated and dst.is_sharded:
+                    yield make("slice", src, dst)
+
+    def link(self, n: RefNode, s: Strategy) -> None:
+        def key(which: int, dim: int) -> Key:
+            ref = n.index if which == OUT else n.operands[which]
+            self.gran.add((ref, dim), self.g[ref].shape[dim])
+            return (ref, dim)
+
+        for which, lay in [*enumerate(s.inputs), (OUT, s.output)]:
+            if lay.is_sharded:
+                key(which, lay.dim)
+        for group in s.link_groups():
+            keys = [key(w, d) for w, d in group]
+            for k in keys[1:]:
+                self.gran.link(keys[0], k)
+        for which, dim, unit in s.units:
+            k = key(which, dim)
+            self.gran.add(k, self.g[k[0]].shape[dim], unit)
+
+    # -- assembly -------------------------------------------------------------------------------
+    def build(self, optimise: bool) -> Theory:
+        g = self.g
+        triples: list[Triple] = []
+        wanted: dict[int, set[Layout]] = defaultdict(set)
+        made: dict[int, set[Layout]] = defaultdict(set)
+        for n in g:
+            if n.kind == OP:
+                self.strategies[n.index] = self.node_strategies(n)
+                for s in self.strategies[n.index]:
+                    self.link(n, s)
+                    t = self.compute_triple(n, s)
+                    triples.append(t)
+                    made[n.index].add(s.output)
+                    for o, lay in zip(n.operands, s.inputs):
+                        wanted[o].add(lay)
+        loss = g.loss.index
+        wanted[loss] |= {PARTIAL, REPLICATED}
+        for lay in (PARTIAL, REPLICATED):
+            triples.append(Triple(frozenset({Prop(loss, lay)}), frozenset({DONE}), (Loss(loss, lay),), CostProfile()))
+        for n in g:
+            if n.kind in (INPUT, PARAM, BUFFER):
+                for lay in sorted(wanted[n.index], key=repr):
+                    if not lay.is_partial:
+                        triples.append(self.source_triple(n, lay))
+                        made[n.index].add(lay)
+        for n in g:
+            movable = (n.kind == OP and n.operands) or (n.kind == PARAM and self.param_comm)
+            if movable:
+                triples.extend(self.comm_triples(n, made[n.index], wanted[n.index]))
+        raw = defaultdict(int)
+        for t in triples:
+            raw[t.kind] += 1
+        raw["total"] = len(triples)
+        if optimise:
+            triples = _prune(_fuse_sources(triples, g))
+        return Theory(g, triples, self.strategies, self.gran.freeze(), dict(raw), self.unsupported)
+
+
+def _fuse_sources(triples: list[Triple], g: RefGraph) -> list[Triple]:
+    """HAP §4.5 (1): fuse every empty-precondition triple into its consumers, to a fixpoint.
+
+    A consumer is also kept unfused for a property that may already be in the program by other
+    means (its node has several users, or a non-source triple produces it). A fused triple whose
+    precondition became empty is fused again only if it computes from parameters and constants
+    alone (``w.t()``, a causal mask); one that reads model inputs (the first layer) stays a triple
+    the search may place anywhere -- fusing whole input-fed chains would multiply strategies.
+    """
+    static = _static_nodes(g)
+    sources = [t for t in triples if not t.pre]
+    others = [t for t in triples if t.pre]
+    for _ in range(len(g) + 1):
+        others += [t for t in sources if t.instrs[-1].ref not in static and len(t.instrs) > 1]
+        sources = [t for t in sources if t.instrs[-1].ref in static or len(t.instrs) == 1]
+        if not sources:
+            break
+        by_prop: dict[Prop, list[Triple]] = defaultdict(list)
+        for src in sources:
+            for p in src.post:
+                by_prop[p].append(src)
+        elsewhere = {p for t in others for p in t.post}
+        next_sources, next_others = [], []
+        for t in others:
+            sourceable = sorted((p for p in t.pre if p in by_prop), key=repr)
+            if not sourceable:
+                next_others.append(t)
+                continue
+            options: list[list[Triple | None]] = []
+            for p in sourceable:
+                opts: list[Triple | None] = list(by_prop[p])
+                if len(g[p.ref].users) > 1 or p in elsewhere:
+                    opts.append(None)
+                options.append(opts)
+            for choice in itertools.product(*options):
+                fused, used, covered = t, set(), set()
+                for src in choice:
+                    if src is None or id(src) in used:
+                        continue
+                    if src.tokens & fused.tokens or src.post & covered:
+                        break  # the same tensor sourced twice in one triple
+                    used.add(id(src))
+                    covered |= src.post
+                    fused = fused.fuse_after(src)
+                else:
+                    (next_sources if not fused.pre else next_others).append(fused)
+        sources, others = next_sources, next_others
+    return others + [t for t in sources if DONE in t.post]
+
+
+def _static_nodes(g: RefGraph) -> set[int]:
+    """Nodes computed from parameters, buffers and constants only (no model input)."""
+    static: set[int] = set()
+    for n in g:
+        if n.kind in (PARAM, BUFFER) or (n.kind == OP and all(o in static for o in n.operands)):
+            static.add(n.index)
+    return static
+
+
+def _prune(triples: list[Triple]) -> list[Triple]:
+    """Drop triples that can never fire or whose results nobody needs (to a fixpoint)."""
+    while True:
+        produced = {p for t in triples for p in t.post}
+        live = [t for t in triples if t.pre <= produced]
+        needed = {p for t in live for p in t.pre} | {DONE}
+        live = [t for t in live if t.post & needed]
+        if len(live) == len(triples):
+            return live
+        triples = live

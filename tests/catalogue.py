@@ -1,0 +1,356 @@
+"""One small model per built-in op (and per spelling where the rule differs), for soundness tests.
+
+Each :class:`Case` builds ``(model, inputs)`` from three sizes ``a, b, c`` (1..7, odd and prime
+included), in float64. The model's forward applies the op and reduces the result to a scalar
+loss; the test checks every triple of every node of the traced graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hapc.ops as hops
+
+D = torch.float64
+
+
+class OpModel(nn.Module):
+    def __init__(self, fn: Callable, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor] | None = None):
+        super().__init__()
+        for k, v in params.items():
+            self.register_parameter(k, nn.Parameter(v))
+        for k, v in (buffers or {}).items():
+            self.register_buffer(k, v)
+        self.fn = fn
+
+    def forward(self, x, y=None, z=None):
+        return self.fn(self, x, y, z).to(torch.float64).sum()
+
+
+@dataclass
+class Case:
+    name: str
+    fn: Callable
+    make: Callable  # (a, b, c, gen) -> (params, inputs[, buffers])
+
+    def build(self, a: int, b: int, c: int, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        made = self.make(a, b, c, gen)
+        params, inputs = made[0], made[1]
+        buffers = made[2] if len(made) > 2 else None
+        return OpModel(self.fn, params, buffers), inputs
+
+
+def r(gen, *shape, positive=False):
+    t = torch.randn(*shape, generator=gen, dtype=D)
+    return t.abs() + 0.5 if positive else t
+
+
+def ints(gen, hi, *shape):
+    return torch.randint(0, hi, shape, generator=gen)
+
+
+def w(gen, *shape):
+    return {"w": r(gen, *shape)}
+
+
+CASES: list[Case] = []
+
+
+def case(name: str, make: Callable) -> Callable[[Callable], Callable]:
+    def deco(fn: Callable) -> Callable:
+        CASES.append(Case(name, fn, make))
+        return fn
+
+    return deco
+
+
+def unary(name: str, fn: Callable, positive: bool = False) -> None:
+    CASES.append(Case(name, lambda m, x, y, z: fn(x), lambda a, b, c, g: ({}, (r(g, a, b + 1, positive=positive),))))
+
+
+# -- element-wise -------------------------------------------------------------------------------
+for _n in ["relu", "tanh", "sigmoid", "exp", "abs", "erf", "sin", "cos", "square", "sign", "floor", "ceil", "round"]:
+    unary(_n, getattr(torch, _n))
+for _n in ["log", "log1p", "sqrt", "rsqrt", "reciprocal"]:
+    unary(_n, getattr(torch, _n), positive=True)
+for _n in [
+    "gelu",
+    "silu",
+    "mish",
+    "softplus",
+    "leaky_relu",
+    "elu",
+    "hardtanh",
+    "hardswish",
+    "relu6",
+    "selu",
+    "celu",
+    "logsigmoid",
+    "softsign",
+    "tanhshrink",
+]:
+    unary(_n, getattr(F, _n))
+unary("clamp", lambda x: x.clamp(-0.5, 0.5))
+unary("clamp_min", lambda x: torch.clamp_min(x, 0.1))
+unary("clamp_max", lambda x: torch.clamp_max(x, 0.1))
+unary("dropout-eval", lambda x: F.dropout(x, 0.3, training=False))
+unary("isnan", lambda x: torch.isnan(x))
+unary("isinf", lambda x: torch.isinf(x))
+unary("logical_not", lambda x: torch.logical_not(x > 0))
+unary("bitwise_not", lambda x: torch.bitwise_not((x > 0).long()))
+unary("neg", lambda x: -x)
+unary("contiguous", lambda x: x.t().contiguous() * 2)
+unary("clone", lambda x: x.clone())
+unary("detach", lambda x: x.detach() * x)
+unary("to", lambda x: x.to(torch.float32))
+unary("float", lambda x: x.float())
+unary("double", lambda x: x.float().double())
+unary("half", lambda x: x.half())
+unary("type", lambda x: x.type(torch.float32))
+unary("zeros_like", lambda x: torch.zeros_like(x) + x)
+unary("positive", lambda x: torch.positive(x))
+unary("ones_like", lambda x: torch.ones_like(x) * x)
+unary("full_like", lambda x: torch.full_like(x, 2.0) * x)
+
+
+def _bin(a, b, c, g):
+    return {}, (r(g, a, b + 1), r(g, b + 1), r(g, a, 1, positive=True))
+
+
+for _n in ["eq", "ne", "lt", "le", "gt", "ge", "maximum", "minimum", "fmax", "fmin", "atan2"]:
+    CASES.append(Case(_n, (lambda f: lambda m, x, y, z: f(x, y))(getattr(torch, _n)), _bin))
+case("floor_divide", _bin)(lambda m, x, y, z: torch.floor_divide(x, z))
+case("remainder", _bin)(lambda m, x, y, z: torch.remainder(x, z))
+case("logical_and", _bin)(lambda m, x, y, z: torch.logical_and(x > 0, y > 0) | torch.logical_xor(x > 0, z > 1))
+case("bitwise", _bin)(lambda m, x, y, z: ((x > 0).long() & (y > 0).long()) ^ ((z > 1).long() | (x > 1).long()))
+case("add", _bin)(lambda m, x, y, z: x + y + z)
+case("add-scalar", _bin)(lambda m, x, y, z: (x + 1.5) + torch.add(y, 0.0))
+case("sub", _bin)(lambda m, x, y, z: x - y - 2.0)
+case("rsub", _bin)(lambda m, x, y, z: torch.rsub(x, y) + (1.0 - z))
+case("mul", _bin)(lambda m, x, y, z: x * y * z * 3.0)
+case("div", _bin)(lambda m, x, y, z: x / z / 2.0 + 2.0 / z)
+case("pow", _bin)(lambda m, x, y, z: x**2 + 2.0**y + z**z)
+case("where", _bin)(lambda m, x, y, z: torch.where(x > 0, x, y) + torch.where(z > 1, z, 0.0))
+case("masked_fill", _bin)(lambda m, x, y, z: x.masked_fill(z > 1, 0.0) + x.masked_fill(y > 0, -1.0))
+
+# -- contractions ---------------------------------------------------------------------------------
+case("linear", lambda a, b, c, g: ({"w": r(g, c + 1, b + 1), "b": r(g, c + 1)}, (r(g, a, 2, b + 1),)))(
+    lambda m, x, y, z: F.linear(x, m.w) + F.linear(x, m.w, m.b)
+)
+case("matmul", lambda a, b, c, g: ({}, (r(g, a, b, c), r(g, c, b), r(g, c))))(
+    lambda m, x, y, z: (
+        (x @ y).sum() + (z @ z) + (x @ z).sum() + (z @ y).sum() + torch.matmul(x, y.expand(x.shape[0], -1, -1)).sum()
+    )
+)
+case("mm", lambda a, b, c, g: ({"w": r(g, b + 1, c)}, (r(g, a, b + 1),)))(lambda m, x, y, z: torch.mm(x, m.w))
+case("bmm", lambda a, b, c, g: ({}, (r(g, a, b, c), r(g, a, c, b + 1))))(lambda m, x, y, z: torch.bmm(x, y))
+case("einsum", lambda a, b, c, g: ({"w": r(g, c, b)}, (r(g, a, b, c), r(g, a, b))))(
+    lambda m, x, y, z: (
+        torch.einsum("abc,cd->abd", x, m.w).sum()
+        + torch.einsum("ab,ab->", y, y)
+        + torch.einsum("...c,cb", x, m.w).sum()
+    )
+)
+
+
+def _attn(a, b, c, g):
+    h, s, e = b, c + 1, 3
+    return {}, (r(g, a, h, s, e), r(g, a, h, s + 1, e), r(g, a, h, s + 1, e + 1))
+
+
+case("sdpa", _attn)(lambda m, x, y, z: F.scaled_dot_product_attention(x, y, z))
+case("sdpa-causal", lambda a, b, c, g: ({}, (r(g, a, b, c + 1, 3), r(g, a, b, c + 1, 3), r(g, a, b, c + 1, 2))))(
+    lambda m, x, y, z: F.scaled_dot_product_attention(x, y, z, is_causal=True)
+)
+case(
+    "sdpa-mask",
+    lambda a, b, c, g: ({}, (r(g, a, b, c + 1, 3), r(g, a, b, c + 2, 3), torch.rand(c + 1, c + 2, generator=g) > 0.3)),
+)(lambda m, x, y, z: F.scaled_dot_product_attention(x, y, y, attn_mask=z | torch.ones(1, dtype=torch.bool)))
+case("sdpa-gqa", lambda a, b, c, g: ({}, (r(g, a, 2 * b, c + 1, 3), r(g, a, b, c + 1, 3), r(g, a, b, c + 1, 2))))(
+    lambda m, x, y, z: F.scaled_dot_product_attention(x, y, z, enable_gqa=True)
+)
+case("conv1d", lambda a, b, c, g: ({"w": r(g, c + 1, b, 3), "b": r(g, c + 1)}, (r(g, a, b, 7),)))(
+    lambda m, x, y, z: F.conv1d(x, m.w, padding=1).sum() + F.conv1d(x, m.w, m.b).sum()
+)
+case("conv2d", lambda a, b, c, g: ({"w": r(g, 2 * c, 2 * b, 3, 3), "b": r(g, 2 * c)}, (r(g, a, 2 * b, 5, 6),)))(
+    lambda m, x, y, z: (
+        F.conv2d(x, m.w, stride=2).sum()
+        + F.conv2d(x, m.w.narrow(1, 0, x.shape[1] // 2), groups=2).sum()
+        + F.conv2d(x, m.w, m.b).sum()
+    )
+)
+case("conv3d", lambda a, b, c, g: ({"w": r(g, c, b, 2, 2, 2)}, (r(g, a, b, 3, 4, 3),)))(
+    lambda m, x, y, z: F.conv3d(x, m.w)
+)
+for _n, _k in [
+    ("max_pool1d", 1),
+    ("avg_pool1d", 1),
+    ("max_pool2d", 2),
+    ("avg_pool2d", 2),
+    ("max_pool3d", 3),
+    ("avg_pool3d", 3),
+]:
+    CASES.append(
+        Case(
+            _n,
+            (lambda f: lambda m, x, y, z: f(x, 2))(getattr(F, _n)),
+            (lambda k: lambda a, b, c, g: ({}, (r(g, a, b, *([5] * k)),)))(_k),
+        )
+    )
+for _n, _k in [
+    ("adaptive_avg_pool1d", 1),
+    ("adaptive_avg_pool2d", 2),
+    ("adaptive_avg_pool3d", 3),
+    ("adaptive_max_pool1d", 1),
+    ("adaptive_max_pool2d", 2),
+]:
+    CASES.append(
+        Case(
+            _n,
+            (lambda f: lambda m, x, y, z: f(x, 2))(getattr(F, _n)),
+            (lambda k: lambda a, b, c, g: ({}, (r(g, a, b, *([5] * k)),)))(_k),
+        )
+    )
+
+# -- reductions and normalisation --------------------------------------------------------------------
+_3d = lambda a, b, c, g: ({}, (r(g, a, b + 1, c),))  # noqa: E731
+case("sum", _3d)(
+    lambda m, x, y, z: x.sum(1).sum() + x.sum((0, 2), keepdim=True).sum() + torch.sum(x) + torch.nansum(x, -1).sum()
+)
+case("mean", _3d)(lambda m, x, y, z: x.mean(1).sum() + x.mean((0, 2), keepdim=True).sum() + torch.mean(x))
+case("amax", _3d)(
+    lambda m, x, y, z: x.amax(1) + x.amin(-1, keepdim=True).sum() + x.prod(0).sum() + x.logsumexp(1).sum()
+)
+case("std", _3d)(lambda m, x, y, z: x.std(1) + x.var(2).sum() + x.norm(dim=1) + x.norm())
+case("argmax", _3d)(
+    lambda m, x, y, z: (
+        x.argmax(1)
+        + x.argmin(0).sum()
+        + (x > 0).all(1).sum()
+        + (x > 0).any(2).sum()
+        + torch.count_nonzero(x > 0, dim=1)
+    )
+)
+case("max", _3d)(
+    lambda m, x, y, z: x.max(1)[0] + x.max(2)[1].sum() + x.min(0).values.sum() + x.max() + torch.max(x, x * 2).sum()
+)
+case("softmax", _3d)(lambda m, x, y, z: x.softmax(-1) + F.log_softmax(x, 1) + x.cumprod(1) + x.logcumsumexp(0))
+case("sort", _3d)(lambda m, x, y, z: x.sort(1)[0] + x.argsort(-1) + F.normalize(x, dim=1))
+case("cumsum", _3d)(lambda m, x, y, z: x.cumsum(1))
+case("topk", _3d)(lambda m, x, y, z: x.topk(1, dim=1)[0].sum() + x.topk(1, dim=-1)[1].sum())
+case("layer_norm", lambda a, b, c, g: ({"w": r(g, c + 1), "b": r(g, c + 1)}, (r(g, a, b + 1, c + 1),)))(
+    lambda m, x, y, z: (
+        F.layer_norm(x, (x.shape[-1],), m.w, m.b) + F.layer_norm(x, x.shape[1:]) + F.rms_norm(x, (x.shape[-1],), m.w)
+    )
+)
+case("group_norm", lambda a, b, c, g: ({"w": r(g, 2 * b), "b": r(g, 2 * b)}, (r(g, a, 2 * b, c + 1),)))(
+    lambda m, x, y, z: F.group_norm(x, 2, m.w, m.b)
+)
+
+
+def _bn(a, b, c, g):
+    return (
+        {"w": r(g, b + 1), "b": r(g, b + 1)},
+        (r(g, a + 1, b + 1, c + 1),),
+        {"rm": torch.zeros(b + 1, dtype=D), "rv": torch.ones(b + 1, dtype=D)},
+    )
+
+
+case("batch_norm-train", _bn)(lambda m, x, y, z: F.batch_norm(x, m.rm, m.rv, m.w, m.b, True, 0.1, 1e-5))
+case("batch_norm-eval", _bn)(lambda m, x, y, z: F.batch_norm(x, m.rm, m.rv, m.w, m.b, False))
+case("batch_norm-noaffine", _bn)(lambda m, x, y, z: F.batch_norm(x, None, None, training=True))
+
+# -- shapes ---------------------------------------------------------------------------------------
+_4d = lambda a, b, c, g: ({}, (r(g, a, b, c, 2),))  # noqa: E731
+case("view", _4d)(lambda m, x, y, z: x.view(x.shape[0], -1).view(x.shape[0], x.shape[1], -1, 1))
+case("reshape", _4d)(
+    lambda m, x, y, z: x.reshape(-1, 2).reshape(x.shape[0] * x.shape[1], x.shape[2] * 2).reshape(x.shape)
+)
+case("flatten", _4d)(lambda m, x, y, z: x.flatten(1).unflatten(1, (x.shape[1], -1)).flatten().ravel())
+case("squeeze", _4d)(lambda m, x, y, z: x.unsqueeze(1).unsqueeze(-1).squeeze(1).squeeze(-1))
+case("view_as", _4d)(lambda m, x, y, z: x.view_as(x * 2).reshape_as(x))
+case("transpose", _4d)(lambda m, x, y, z: x.transpose(1, 2).permute(3, 0, 2, 1).movedim(0, 2))
+case("t", lambda a, b, c, g: ({}, (r(g, a, b),)))(lambda m, x, y, z: x.t() @ x)
+case("getitem", _4d)(
+    lambda m, x, y, z: x[:, 0].sum() + x[:, :1].sum() + x[None, ..., 0].sum() + x[..., None].sum() + x[0, :, 1:].sum()
+)
+case("narrow", _4d)(
+    lambda m, x, y, z: (
+        x.narrow(3, 0, 1).sum()
+        + x.select(1, 0).sum()
+        + sum(t.sum() for t in x.chunk(2, dim=3))
+        + sum(t.sum() for t in x.unbind(-1))
+        + x.chunk(2, 3)[1].sum()
+        + x.split([1, 1], -1)[1].sum()
+    )
+)
+case("cat", _4d)(
+    lambda m, x, y, z: torch.cat([x, x * 2], 1).sum() + torch.stack([x, x], 2).sum() + torch.stack([x, x], -1).sum()
+)
+case("expand", lambda a, b, c, g: ({}, (r(g, a, 1, c), r(g, a, b, c))))(
+    lambda m, x, y, z: x.expand(-1, y.shape[1], -1) + x.expand_as(y) + torch.broadcast_to(x, y.shape)
+)
+case("tril", _3d)(lambda m, x, y, z: x.tril() + x.triu(1))
+case("flip", _3d)(lambda m, x, y, z: x.flip(1) + x.roll(1, 2))
+case("pad", _3d)(lambda m, x, y, z: F.pad(x, (1, 1)).sum() + F.pad(x, (0, 0, 1, 0), value=1.0).sum())
+case("constants", _3d)(lambda m, x, y, z: x * torch.arange(x.shape[2], dtype=D) + torch.ones(x.shape, dtype=D).tril())
+
+
+# -- losses, embedding, MoE ---------------------------------------------------------------------
+def _cls(a, b, c, g):
+    return (
+        {},
+        (r(g, a, c + 1), ints(g, c + 1, a), r(g, a, c + 1, b).softmax(1)),
+        {"cw": r(g, c + 1, positive=True)},
+    )
+
+
+case("cross_entropy", _cls)(
+    lambda m, x, y, z: (
+        F.cross_entropy(x, y) + F.cross_entropy(x, y, reduction="sum") + F.cross_entropy(x, y, reduction="none").sum()
+    )
+)
+case("cross_entropy-weighted", _cls)(
+    lambda m, x, y, z: F.cross_entropy(x, y, weight=m.cw) + F.cross_entropy(x, y, weight=m.cw, label_smoothing=0.1)
+)
+case("cross_entropy-smoothing", _cls)(
+    lambda m, x, y, z: F.cross_entropy(x, torch.cat([y[:1] * 0 + 1, y[1:]]), label_smoothing=0.2, ignore_index=0)
+)
+case("cross_entropy-probs", _cls)(lambda m, x, y, z: F.cross_entropy(x.unsqueeze(-1).expand(-1, -1, z.shape[2]), z))
+case("nll_loss", _cls)(lambda m, x, y, z: F.nll_loss(x.log_softmax(1), y) + F.nll_loss(x, y, reduction="sum"))
+case("mse_loss", _bin)(
+    lambda m, x, y, z: (
+        F.mse_loss(x, y.expand_as(x))
+        + F.l1_loss(x, x * 2, reduction="sum")
+        + F.smooth_l1_loss(x, x * 3)
+        + F.huber_loss(x, x * 0.5, reduction="sum")
+    )
+)
+case("embedding", lambda a, b, c, g: ({"w": r(g, c + 2, b + 1)}, (ints(g, c + 2, a, 3),)))(
+    lambda m, x, y, z: F.embedding(x, m.w) + F.embedding(x, m.w, padding_idx=1)
+)
+
+
+def _moe(a, b, c, g):
+    experts, tokens, _k = c + 1, 2 * a + 1, 2
+    params = {"w1": r(g, experts, b + 1, 3), "gate": r(g, b + 1, experts)}
+    return params, (r(g, tokens, b + 1),)
+
+
+def _moe_fn(m, x, y, z):
+    logits = x @ m.gate
+    weights, idx = logits.softmax(-1).topk(2, dim=-1)
+    capacity = max(1, x.shape[0] // 2)
+    buf = hops.moe_dispatch(x, idx, m.w1.shape[0], capacity)
+    h = torch.einsum("ecm,emh->ech", buf, m.w1).relu()
+    out = torch.einsum("ech,emh->ecm", h, m.w1)
+    return hops.moe_combine(out, idx, weights, capacity)
+
+
+case("moe", _moe)(_moe_fn)
