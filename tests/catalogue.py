@@ -23,7 +23,10 @@ class OpModel(nn.Module):
     def __init__(self, fn: Callable, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor] | None = None):
         super().__init__()
         for k, v in params.items():
-            self.register_parameter(k, nn.Parameter(v))
+            if isinstance(v, nn.Module):
+                self.add_module(k, v)
+            else:
+                self.register_parameter(k, nn.Parameter(v))
         for k, v in (buffers or {}).items():
             self.register_buffer(k, v)
         self.fn = fn
@@ -354,3 +357,11 @@ def _moe_fn(m, x, y, z):
 
 
 case("moe", _moe)(_moe_fn)
+
+
+def _mha(a, b, c, g):
+    torch.manual_seed(a * 100 + b * 10 + c)
+    return {"mha": nn.MultiheadAttention(4, 2, batch_first=True).double()}, (r(g, a + 1, c, 4),)
+
+
+case("multi_head_attention", _mha)(lambda m, x, y, z: m.mha(x, x, x, need_weights=False)[0])

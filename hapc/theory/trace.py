@@ -16,6 +16,7 @@ Three steps:
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import traceback
@@ -136,17 +137,34 @@ class _Tracer(fx.Tracer):
 
         def val(n: fx.Node) -> Any:
             v = n.meta.get("hapc_val", _MISSING)
+            if v is _MISSING and n.op == "get_attr":  # constants fx registered without a proxy
+                v = n.meta["hapc_val"] = _to_meta(_raw_attr(self.root, n.target))
             if v is _MISSING:
-                raise LookupError
+                raise LookupError(n.name)
             return v
 
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), val)
-        with torch.device("meta"):
+        with torch.device("meta"), _unpatched_modules():
             if node.op == "call_function":
                 return node.target(*args, **kwargs)
             if node.op == "call_method":
                 return getattr(args[0], node.target)(*args[1:], **kwargs)
-            return _call_leaf(self.root.get_submodule(node.target), args, kwargs)
+            return _call_leaf(_raw_attr(self.root, node.target), args, kwargs)
+
+
+_MODULE_CALL, _MODULE_GETATTR = nn.Module.__call__, nn.Module.__getattr__
+
+
+@contextlib.contextmanager
+def _unpatched_modules() -> Any:
+    """fx patches ``Module.__call__``/``__getattr__`` while tracing; computing a leaf module's
+    meta value must run the real ones, or it would record nodes of its own."""
+    call, getattr_ = nn.Module.__call__, nn.Module.__getattr__
+    nn.Module.__call__, nn.Module.__getattr__ = _MODULE_CALL, _MODULE_GETATTR  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.__call__, nn.Module.__getattr__ = call, getattr_  # type: ignore[method-assign]
 
 
 def _example_device(example_inputs: Any) -> torch.device:
@@ -411,7 +429,7 @@ class _Builder:
                 self.env[n] = self.arg(n.args[0])
             elif isinstance(v, torch.Tensor):
                 self.env[n] = self.add_op(n, v)
-            elif isinstance(v, (tuple, list)) and v and all(isinstance(t, torch.Tensor) for t in v):
+            elif isinstance(v, (tuple, list)) and any(isinstance(t, torch.Tensor) for t in v):
                 self.env[n] = _Tuple(n, self.arg(n.args), self.arg(n.kwargs))
             else:
                 self.env[n] = _fold_devices(v)  # sizes, shapes, dtypes, Python numbers

@@ -9,7 +9,11 @@ precisely so that row-parallel linears stay expressible).
 
 from __future__ import annotations
 
+import torch
+
+from ..props import shard
 from ..registry import OpView
+from ..strategy import Strategy
 from . import op, rule
 
 
@@ -129,3 +133,19 @@ for _names, _k, _lin in [
     _spec, _linear_kind = _pool(_k, _lin)
     # pooling: batch and channel dims shard; the pooled window never does
     op(_names, _spec, linear=_linear_kind)
+
+
+@rule("torch.nn.modules.activation.MultiheadAttention", doc="batch dim shards (module kept whole, weights replicated)")
+def _mha(view: OpView):
+    """``nn.MultiheadAttention`` stays one op: sequences are independent, so the batch dim shards."""
+    mod = view.node.target
+    batch = 0 if getattr(mod, "batch_first", False) or view.node.out_index == 1 else 1
+    ins = []
+    for m in view.operands:
+        if m.rank == 3:
+            ins.append(shard(0 if getattr(mod, "batch_first", False) else 1))
+        elif m.rank == 2 and m.shape[0] == view.out.shape[batch] and m.dtype == torch.bool:
+            ins.append(shard(0))  # key_padding_mask [B, S]
+        else:
+            return []
+    return [Strategy(tuple(ins), shard(batch), name="batch")]

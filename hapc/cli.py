@@ -1,0 +1,210 @@
+"""The ``hapc`` command line.
+
+    hapc rules [--json]                      every op the theory knows and how it may shard
+    hapc theory MODEL [--json] [--verify]    the Hoare-triple theory of a model
+    hapc demo                                the README's main job
+
+MODEL is a zoo alias (``gpt``, ``gpt-1.3b``, ``bert``, ``mlp``, ``cnn``, ``moe``...) or
+``package.module:function`` returning ``(model, example_inputs)``; ``--arg key=value`` passes
+keyword arguments to the factory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .errors import HapcError
+
+
+def _console() -> Console:
+    return Console(highlight=False, soft_wrap=True)
+
+
+def load_model(spec: str, args: Sequence[str] = ()) -> tuple[Any, Any]:
+    """``(model, example_inputs)`` from a zoo alias or ``package.module:function``."""
+    kwargs = {}
+    for a in args:
+        key, sep, value = a.partition("=")
+        if not sep:
+            raise HapcError(f"--arg expects key=value, got {a!r}")
+        try:
+            kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kwargs[key] = value
+    try:
+        import models
+    except ImportError as exc:  # an installed hapc without the repo's zoo
+        if ":" not in spec:
+            raise HapcError(f"model {spec!r}: the model zoo (package 'models') is not installed") from exc
+        import importlib
+
+        mod, _, fn = spec.partition(":")
+        return getattr(importlib.import_module(mod), fn)(**kwargs)
+    try:
+        return models.load(spec, **kwargs)
+    except (KeyError, ImportError, AttributeError) as exc:
+        raise HapcError(str(exc).strip("'\"")) from exc
+
+
+# -- hapc rules ---------------------------------------------------------------------------------
+
+
+def cmd_rules(ns: argparse.Namespace) -> int:
+    from .theory import default_registry
+
+    rows = default_registry.table()
+    if ns.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    table = Table(title=f"hapc rules: {len(rows)} ops", show_lines=False)
+    for col in ("op", "kind", "how it may shard", "linear in"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        how = (
+            r["shards"]
+            if not r["annotation"] or r["shards"] == r["annotation"]
+            else f"{r['annotation']}  ({r['shards']})"
+        )
+        table.add_row(r["op"], r["kind"], how, r["linear"] or "")
+    _console().print(table)
+    return 0
+
+
+# -- hapc theory ------------------------------------------------------------------------------
+
+
+def cmd_theory(ns: argparse.Namespace) -> int:
+    import torch
+
+    from . import derive, trace
+    from .theory.verify import verify
+
+    console = _console()
+    model, inputs = load_model(ns.model, ns.arg)
+    t0 = time.perf_counter()
+    graph = trace(model, inputs)
+    t1 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        theory = derive(graph, strict=ns.strict, optimise=not ns.raw)
+    t2 = time.perf_counter()
+    info = {
+        "model": ns.model,
+        "graph": graph.summary(),
+        "raw_triples": theory.raw_counts,
+        "triples": theory.counts(),
+        "unsupported_ops": theory.unsupported,
+        "seconds": {"trace": round(t1 - t0, 4), "derive": round(t2 - t1, 4)},
+    }
+    failures = None
+    if ns.verify:
+        if any(p.device.type == "meta" for p in model.parameters()):
+            raise HapcError("--verify needs a model with real weights (this one is on the meta device)")
+        names = [n.name for n in graph.inputs]
+        given = dict(zip(_input_names(model), inputs if isinstance(inputs, (tuple, list)) else [inputs]))
+        failures = verify(theory, {k: v for k, v in given.items() if k in names}, [[0.5, 0.3, 0.2], [0.7, 0.3]])
+        info["verify"] = {"failures": [str(f) for f in failures]}
+    if ns.json:
+        info["theory"] = [theory.fmt_triple(t) for t in theory.triples]
+        print(json.dumps(info, indent=1, default=str))
+        return 1 if failures else 0
+    g = info["graph"]
+    console.print(
+        f"[bold]{ns.model}[/]: {g['nodes']} nodes ({g.get('input', 0)} inputs, {g.get('param', 0)} parameters, "
+        f"{g.get('op', 0)} ops), {g['parameters']:,} parameter values, {g['forward_flops']:.3g} forward flops"
+    )
+    console.print(f"traced in {t1 - t0:.2f}s, theory derived in {t2 - t1:.2f}s")
+    table = Table(title="Hoare triples")
+    table.add_column("")
+    for k in ("source", "compute", "comm", "loss", "total"):
+        table.add_column(k, justify="right")
+    raw = theory.raw_counts
+    table.add_row("derived", *(str(raw.get(k, 0)) for k in ("source", "compute", "comm", "loss", "total")))
+    c = theory.counts()
+    if not ns.raw:
+        table.add_row(
+            "after HAP §4.5", *(str(c.get(k, 0)) for k in ("source", "compute", "comm", "loss")), str(c["triples"])
+        )
+    console.print(table)
+    console.print(f"{c['properties']} distinct properties")
+    for w in caught:
+        console.print(f"[yellow]warning:[/] {w.message}")
+    shown = theory.triples if ns.show == "all" else theory.triples[: int(ns.show)]
+    if shown:
+        console.print(f"\n[bold]triples[/] (first {len(shown)} of {len(theory.triples)}; --show all for every one):")
+        for t in shown:
+            console.print("  " + theory.fmt_triple(t), markup=False)
+    if failures is not None:
+        if failures:
+            console.print(f"[red]verify: {len(failures)} unsound triple instances[/]")
+            for f in failures[:20]:
+                console.print("  " + str(f), markup=False)
+            return 1
+        console.print("[green]verify: every triple holds, forward and backward, on 3 and 2 uneven devices[/]")
+    del torch
+    return 0
+
+
+def _input_names(model: Any) -> list[str]:
+    import inspect
+
+    return [p for p in inspect.signature(model.forward).parameters]
+
+
+# -- hapc demo --------------------------------------------------------------------------------
+
+
+def cmd_demo(ns: argparse.Namespace) -> int:
+    console = _console()
+    console.print(
+        "[bold]hapc demo[/]: the theory of a small GPT (synthesis and training arrive with the next layers)\n"
+    )
+    return cmd_theory(
+        argparse.Namespace(model="gpt", arg=[], json=False, strict=False, raw=False, verify=True, show="12")
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hapc", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("rules", help="list every op the theory knows and how it may shard")
+    r.add_argument("--json", action="store_true", help="machine-readable output")
+    r.set_defaults(fn=cmd_rules)
+
+    t = sub.add_parser("theory", help="derive and print a model's Hoare-triple theory")
+    t.add_argument("model", help="zoo alias or package.module:function")
+    t.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="keyword argument for the factory")
+    t.add_argument("--json", action="store_true", help="machine-readable output (every triple)")
+    t.add_argument("--strict", action="store_true", help="an op without a rule is an error")
+    t.add_argument("--raw", action="store_true", help="skip HAP §4.5 optimisations")
+    t.add_argument("--verify", action="store_true", help="check every triple on simulated uneven devices")
+    t.add_argument("--show", default="20", help="how many triples to print ('all' for every one)")
+    t.set_defaults(fn=cmd_theory)
+
+    d = sub.add_parser("demo", help="the README's main job")
+    d.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.fn(ns)
+    except HapcError as exc:
+        print(f"hapc: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Reference models for tests, examples and benchmarks: plain PyTorch, no hapc internals.
+
+Each factory returns ``(model, example_inputs)`` and accepts ``device="meta"`` to build a paper-size
+model without allocating it. ``load("gpt-1.3b")`` resolves a zoo alias; ``load("pkg.mod:fn")`` any
+factory importable by path.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from .bert import bert, moe_block
+from .gpt import gpt
+from .mlp import mlp
+from .vgg import vgg
+
+#: alias -> factory (keyword arguments bound). Paper sizes build on the meta device.
+ZOO: dict[str, Callable[..., Any]] = {
+    "mlp": mlp,
+    "transformer": functools.partial(bert, "block"),
+    "bert": functools.partial(bert, "tiny"),
+    "bert-base": functools.partial(bert, "base", batch=8, device="meta"),
+    "bert-moe": functools.partial(bert, "tiny", experts=3),
+    "moe": moe_block,
+    "gpt": functools.partial(gpt, "tiny"),
+    "gpt-small": functools.partial(gpt, "small"),
+    "gpt-1.3b": functools.partial(gpt, "1.3b", batch=1, device="meta"),
+    "gpt-2.7b": functools.partial(gpt, "2.7b", batch=1, device="meta"),
+    "gpt-6.7b": functools.partial(gpt, "6.7b", batch=1, device="meta"),
+    "gpt-13b": functools.partial(gpt, "13b", batch=1, device="meta"),
+    "gpt-39b": functools.partial(gpt, "39b", batch=1, device="meta"),
+    "cnn": vgg,
+    "vgg19": functools.partial(vgg, "vgg19", batch=64, device="meta"),
+}
+
+
+def load(spec: str, **kwargs: Any) -> tuple[Any, Any]:
+    """``(model, example_inputs)`` for a zoo alias or a ``package.module:function`` path."""
+    if spec in ZOO:
+        return ZOO[spec](**kwargs)
+    if ":" not in spec:
+        raise KeyError(
+            f"unknown model {spec!r}: use a zoo alias ({', '.join(sorted(ZOO))}) or 'package.module:function'"
+        )
+    mod, _, fn = spec.partition(":")
+    factory = getattr(importlib.import_module(mod), fn)
+    out = factory(**kwargs)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(f"{spec} must return (model, example_inputs), got {type(out).__name__}")
+    return out
+
+
+__all__ = ["ZOO", "bert", "gpt", "load", "mlp", "moe_block", "vgg"]

@@ -1,0 +1,143 @@
+"""Tracing: static reference graphs, normalisation, and clear errors for untraceable models."""
+
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hapc
+from hapc.errors import TraceError
+
+
+def test_shapes_are_python_values_and_modules_become_functions():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(12, 36)
+            self.norm = nn.LayerNorm(12)
+            self.drop = nn.Dropout(0.0)
+
+        def forward(self, x):
+            b, t, c = x.size()  # unpacking a size: plain Python under hapc's tracer
+            q, k, v = self.proj(self.norm(x)).chunk(3, dim=-1)
+            att = (q @ k.transpose(1, 2)) / c**0.5
+            return self.drop(att.softmax(-1) @ v).view(b * t, c).sum()
+
+    x = torch.randn(2, 5, 12)
+    net = Net()
+    graph = hapc.trace(net, (x,))
+    ops = [n.op for n in graph if n.kind == "op"]
+    assert ops[:3] == ["layer_norm", "linear", "add"]  # nn.Linear -> F.linear + bias add
+    assert ops.count("narrow") == 3  # chunk -> narrow per piece
+    assert "dropout" not in ops  # p == 0 disappears
+    view = next(n for n in graph if n.op == "view")
+    assert view.args[1:] == (10, 12)  # sizes are constants
+    assert torch.allclose(graph.run(x=x), net(x))
+
+
+def test_reference_graph_computes_the_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = model
+
+        def forward(self, x, y):
+            return F.cross_entropy(self.net(x), y)
+
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    m = Loss()
+    graph = hapc.trace(m, (x, y))
+    assert torch.allclose(graph.run(x=x, y=y), m(x, y))
+    # the mean became sum / count of non-ignored targets, so batch sharding is an exact Partial sum
+    assert [n.op for n in graph][-3:] == ["cross_entropy", "hapc.ops.target_count", "div"]
+
+
+def test_data_dependent_control_flow_names_the_line():
+    class Branchy(nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:  # data-dependent
+                return x.sum()
+            return -x.sum()
+
+    with pytest.raises(TraceError) as err:
+        hapc.trace(Branchy(), (torch.randn(3),))
+    msg = str(err.value)
+    assert "test_trace.py" in msg and "if x.sum() > 0" in msg
+    assert "torch.where" in msg  # says how to fix it
+
+
+def test_item_is_an_error_with_the_node():
+    class Item(nn.Module):
+        def forward(self, x):
+            return x * x.max().item()
+
+    with pytest.raises(TraceError, match="item"):
+        hapc.trace(Item(), (torch.randn(3),))
+
+
+def test_loss_must_be_a_scalar():
+    class NoReduce(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    class Pair(nn.Module):
+        def forward(self, x):
+            return x.sum(), x
+
+    with pytest.raises(TraceError, match="scalar"):
+        hapc.trace(NoReduce(), (torch.randn(3),))
+    with pytest.raises(TraceError, match="return only the loss"):
+        hapc.trace(Pair(), (torch.randn(3),))
+
+
+def test_inplace_on_a_tensor_used_later_is_refused():
+    class Bad(nn.Module):
+        def forward(self, x):
+            y = x * 2
+            y.add_(1)  # mutates y, which is used below
+            return (y + y).sum()
+
+    class Fine(nn.Module):
+        def forward(self, x):
+            y = x * 2
+            y += 1  # rebinds y: harmless
+            return y.relu_().sum()
+
+    with pytest.raises(TraceError, match="out of place"):
+        hapc.trace(Bad(), (torch.randn(3),))
+    g = hapc.trace(Fine(), (torch.randn(3),))
+    assert [n.op for n in g if n.kind == "op"] == ["mul", "add", "relu", "sum"]
+
+
+def test_leaf_modules_and_multiheadattention():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x):
+            y, _ = self.mha(x, x, x, need_weights=False)
+            return y.sum()
+
+    x = torch.randn(3, 4, 8, dtype=torch.float64)
+    m = Net().double()
+    graph = hapc.trace(m, (x,))
+    node = next(n for n in graph if "MultiheadAttention" in n.op)
+    assert node.out_index == 0 and node.target is m.mha
+    theory = hapc.derive(graph)
+    assert {s.name for s in theory.strategies[node.index]} == {"replicate", "batch"}
+    assert not hapc.verify(theory, {"x": x}, [[0.5, 0.3, 0.2]])
+
+
+def test_getattr_on_namedtuple_results_and_operator_targets():
+    class Net(nn.Module):
+        def forward(self, x):
+            return x.max(dim=1).values.sum() + operator.neg(x).sum()
+
+    g = hapc.trace(Net(), (torch.randn(3, 4),))
+    assert "max" in [n.op for n in g] and "neg" in [n.op for n in g]
