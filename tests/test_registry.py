@@ -143,7 +143,7 @@ def test_sfb_triple_replaces_the_weight_all_reduce():
         assert [c.primitive for c in t.cost.bwd_comm] == ["all_gather", "all_gather"]
         assert t.complete  # the weight's gradient is whole: no all-reduce for it
     dp = [t for t in theory.triples if any(getattr(i, "strategy_key", "").startswith("d0:S(0),R") for i in t.instrs)]
-    assert any(c.primitive == "all_reduce" for t in dp for c in t.cost.bwd_comm)
+    assert any(c.primitive == "all_reduce" for t in dp for c in t.cost.grad_comm)
 
 
 def test_heads_are_never_split():

@@ -86,9 +86,11 @@ class Comm:
 class CostProfile:
     """Forward and backward work of one triple on device ``j``, all linear in ``B_j``.
 
-    ``*_flops`` is arithmetic, ``*_bytes`` memory traffic (for memory-bound ops); ``*_comm`` the
-    collectives, which open a new stage (HAP Fig. 6). ``param_bytes`` and ``act_bytes`` are the
-    resident parameter and saved-activation bytes this triple adds, for the memory constraints.
+    ``*_flops`` is arithmetic, ``*_bytes`` memory traffic (for memory-bound ops); ``fwd_comm`` /
+    ``bwd_comm`` the collectives, which open a new stage (HAP Fig. 6). ``grad_comm`` is the
+    all-reduce of a replicated parameter's gradient: bucketed and issued after the backward (as
+    DDP does), so it adds its time without cutting a stage. ``param_bytes`` and ``act_bytes`` are
+    the resident parameter and saved-activation bytes this triple adds, for memory constraints.
     """
 
     fwd_flops: Linear = ZERO
@@ -97,6 +99,7 @@ class CostProfile:
     bwd_bytes: Linear = ZERO
     fwd_comm: tuple[Comm, ...] = ()
     bwd_comm: tuple[Comm, ...] = ()
+    grad_comm: tuple[Comm, ...] = ()
     param_bytes: Linear = ZERO
     act_bytes: Linear = ZERO
     notes: tuple[str, ...] = field(default=(), compare=False)
@@ -109,6 +112,7 @@ class CostProfile:
             self.bwd_bytes + other.bwd_bytes,
             self.fwd_comm + other.fwd_comm,
             self.bwd_comm + other.bwd_comm,
+            self.grad_comm + other.grad_comm,
             self.param_bytes + other.param_bytes,
             self.act_bytes + other.act_bytes,
             self.notes + other.notes,

@@ -16,9 +16,10 @@ and then applies HAP §4.5's search-space optimisations:
 1. triples with an empty precondition are *fused* into their consumers
    (``{Pre2 \\ Post1} I1; I2 {Post1 ∪ Post2}``), repeatedly, so sources appear right before their
    first use; a source used by a single node is always fused;
-2. each tensor is communicated at most once (exclusive *tokens*), and tensors that can be
-   sourced in any layout (inputs, parameters, buffers) are not communicated at all unless
-   ``param_comm=True`` (which adds ZeRO-3/FSDP-style all-gathered parameters);
+2. each tensor is communicated at most once and each input-dependent node computed once, in one
+   layout (exclusive *tokens*); tensors that can be sourced in any layout (inputs, parameters,
+   buffers) are not communicated at all unless ``param_comm=True`` (which adds ZeRO-3/FSDP-style
+   all-gathered parameters), and a parameter is sourced in one layout;
 3. ``consumers`` indexes, for every property, the triples that need it, so the search can drop
    properties no useful triple needs any more (``hapc.synth``).
 
@@ -68,7 +69,7 @@ class Triple:
         """
         src_cost = source.cost
         if any(isinstance(i, Source) and i.ref in self.complete for i in source.instrs):
-            src_cost = replace(src_cost, bwd_comm=())
+            src_cost = replace(src_cost, grad_comm=())
         return Triple(
             self.pre - source.post,
             source.post | self.post,
@@ -196,6 +197,7 @@ class _Builder:
         self.variants, self.param_comm = variants, param_comm
         self.strategies: dict[int, list[Strategy]] = {}
         self.gran = Granularity()
+        self.static = _static_nodes(graph)
         self.unsupported: list[str] = []
 
     # -- per-node strategies -------------------------------------------------------------------
@@ -257,7 +259,10 @@ class _Builder:
         ) + self.hidden_params(n)
         ins = Compute(n.index, s.key(), s.inputs, s.output)
         complete = frozenset(n.operands[i] for i in s.grad_complete)
-        return Triple(pre, frozenset({Prop(n.index, s.output)}), (ins,), cost, complete=complete)
+        # each input-dependent node is computed once, in one layout (static ones are re-created
+        # wherever used, being fused into their consumers)
+        tokens = frozenset() if n.index in self.static else frozenset({("compute", n.index)})
+        return Triple(pre, frozenset({Prop(n.index, s.output)}), (ins,), cost, tokens, complete)
 
     def hidden_params(self, n: RefNode) -> CostProfile:
         """A leaf module's own parameters: replicated, gradients all-reduced."""
@@ -268,14 +273,14 @@ class _Builder:
         nbytes = sum(p.numel() * p.element_size() for p in n.target.parameters() if p.requires_grad)
         if not nbytes:
             return CostProfile()
-        return CostProfile(param_bytes=Linear(nbytes, 0.0), bwd_comm=(Comm("all_reduce", nbytes, "full"),))
+        return CostProfile(param_bytes=Linear(nbytes, 0.0), grad_comm=(Comm("all_reduce", nbytes, "full"),))
 
     def source_triple(self, n: RefNode, lay: Layout) -> Triple:
         nbytes = n.meta.nbytes
         cost = CostProfile()
         if n.kind == PARAM:
             grad = (Comm("all_reduce", nbytes, "full"),) if lay.is_replicated else ()
-            cost = CostProfile(param_bytes=Linear.split(nbytes, lay.is_sharded), bwd_comm=grad)
+            cost = CostProfile(param_bytes=Linear.split(nbytes, lay.is_sharded), grad_comm=grad)
         tokens = frozenset({("src", n.index)}) if n.kind == PARAM else frozenset()
         return Triple(frozenset(), frozenset({Prop(n.index, lay)}), (Source(n.index, lay),), cost, tokens)
 

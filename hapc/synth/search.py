@@ -1,0 +1,380 @@
+"""A* program search over one segment (HAP §4.3, Fig. 10), exact for the stage cost model.
+
+State of a partial program ``Q``:
+
+* ``live`` -- its properties minus the *dead* ones (HAP §4.5 (3): a property is dead when every
+  triple needing it adds nothing new, so dropping it loses no continuation);
+* ``tokens`` -- exclusive resources used (a tensor communicated, a node computed, a parameter
+  sourced);
+* ``closed`` -- the time of its finished stages; ``fopen`` / ``bopen`` -- per-device-type compute
+  of the open forward / backward stage.
+
+``cost(Q) = closed + max(fopen) + max(bopen)`` never decreases as triples are appended.
+
+**Heuristic.** Every node of the segment not yet computed must still be computed by some triple;
+``lb_t(n)`` is the least compute any triple defining ``n`` puts on device type ``t``. Future stages
+cost at least the compute still due on the busiest device, so
+``score = closed + max_t(fopen_t + Rf_t) + max_t(bopen_t + Rb_t)`` (``R`` summing ``lb`` over the
+nodes still due) never overestimates: A* is exact (HAP's own code used zero).
+
+**Pruning (all exact).**
+
+* *Dominance.* Among programs with the same ``(live, tokens)``, ``Q1`` dominates ``Q2`` when
+  ``closed1 + max(0, max_t(fopen1 - fopen2)_t) + max(0, max_t(bopen1 - bopen2)_t) <= closed2``: for any
+  continuation ``Q1`` then ends no later (equal property sets are the paper's deduplication).
+* *Canonical stage order.* Two adjacent triples without collectives commute (a stage's time is a
+  max of sums), so such runs are generated in increasing node order only.
+* *Useful triples only.* A triple whose postcondition adds nothing that stays alive is never
+  appended (Fig. 10 line 7); removing it from a program never raises its cost.
+
+Two drivers share the loop: :meth:`SegmentSearch.run` settles named goals (a layout of the tensor
+leaving a segment, or the loss) with A*'s early stop; :meth:`SegmentSearch.explore` enumerates
+every non-dominated way to finish a small segment, keyed by the state it leaves behind, for the
+dynamic program over segments (``hapc.synth.synthesizer``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+from ..theory.instructions import Compute
+from ..theory.props import DONE, Prop
+from ..theory.triples import Theory, Triple
+from .cost import TripleTime
+
+
+@dataclass
+class SearchStats:
+    expanded: int = 0
+    generated: int = 0
+    pruned: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: SearchStats) -> None:
+        self.expanded += other.expanded
+        self.generated += other.generated
+        self.pruned += other.pruned
+        self.seconds += other.seconds
+
+
+@dataclass
+class Found:
+    """Best program reaching one goal: its triples (theory indices, in order), cost, end state."""
+
+    cost: float
+    triples: list[int]
+    live: frozenset[Prop] = frozenset()
+    tokens: frozenset[tuple] = frozenset()
+
+
+Progress = Callable[[SearchStats, float], None]
+
+
+class SegmentSearch:
+    """The search over one segment's triples, with times for fixed ratios.
+
+    Args:
+        theory: the theory the triples come from.
+        triples: theory indices of the triples this search may use; ``times`` their times.
+        start: properties holding at the start; ``start_tokens`` tokens already used.
+        protected: properties never dropped (they are needed after the segment).
+        nodes: the op nodes this segment must compute (for the heuristic and termination).
+        ntypes: number of device types.
+    """
+
+    def __init__(
+        self,
+        theory: Theory,
+        triples: Sequence[int],
+        times: Sequence[TripleTime],
+        start: frozenset[Prop],
+        protected: frozenset[Prop],
+        nodes: Sequence[int],
+        ntypes: int,
+        start_tokens: frozenset[tuple] = frozenset(),
+        progress: Progress | None = None,
+    ):
+        self.theory, self.ids, self.ntypes, self.progress = theory, list(triples), ntypes, progress
+        self.bits: dict[Prop, int] = {}
+        self.tok_bits: dict[tuple, int] = {}
+        for p in start | protected:
+            self._bit(p)
+        for tok in start_tokens:
+            self._tok(tok)
+        self.pre, self.post, self.tok, self.key, self.pure, self.defines = [], [], [], [], [], []
+        self.times = list(times)
+        for k, tid in enumerate(self.ids):
+            t: Triple = theory.triples[tid]
+            self.pre.append(self._mask(t.pre))
+            self.post.append(self._mask(t.post))
+            tm = 0
+            for tok in t.tokens:
+                tm |= self._tok(tok)
+            self.tok.append(tm)
+            last = t.instrs[-1]
+            self.key.append(last.ref)
+            self.pure.append(not (self.times[k].has_fwd_comm or self.times[k].has_bwd_comm))
+            self.defines.append(last.ref if isinstance(last, Compute) else -1)
+        self.prop_of = {b: p for p, b in self.bits.items()}
+        self.tok_of = {b: t for t, b in self.tok_bits.items()}
+        self.start = self._mask(start)
+        self.start_tokens = sum(self.tok_bits[t] for t in start_tokens)
+        self.protected = self._mask(protected) | self.bits.get(DONE, 0)
+        self.consumers: dict[int, list[int]] = {}
+        self.free: list[int] = []
+        for k, pm in enumerate(self.pre):
+            if not pm:
+                self.free.append(k)
+            m = pm
+            while m:
+                low = m & -m
+                self.consumers.setdefault(low, []).append(k)
+                m ^= low
+        self._heuristic_tables(nodes)
+        self.stats = SearchStats()
+
+    # -- bits ------------------------------------------------------------------------------------
+    def _bit(self, p: Prop) -> int:
+        if p not in self.bits:
+            self.bits[p] = 1 << len(self.bits)
+        return self.bits[p]
+
+    def _tok(self, t: tuple) -> int:
+        if t not in self.tok_bits:
+            self.tok_bits[t] = 1 << len(self.tok_bits)
+        return self.tok_bits[t]
+
+    def _mask(self, props) -> int:
+        m = 0
+        for p in props:
+            m |= self._bit(p)
+        return m
+
+    def props(self, mask: int) -> frozenset[Prop]:
+        out = []
+        while mask:
+            low = mask & -mask
+            out.append(self.prop_of[low])
+            mask ^= low
+        return frozenset(out)
+
+    def tokens(self, mask: int) -> frozenset[tuple]:
+        out = []
+        while mask:
+            low = mask & -mask
+            out.append(self.tok_of[low])
+            mask ^= low
+        return frozenset(out)
+
+    # -- heuristic -----------------------------------------------------------------------------
+    def _heuristic_tables(self, nodes: Sequence[int]) -> None:
+        zero = (0.0,) * self.ntypes
+        self.nodes = list(nodes)
+        self.node_bit = {n: 1 << k for k, n in enumerate(self.nodes)}
+        lbf: dict[int, tuple] = {}
+        lbb: dict[int, tuple] = {}
+        for k, n in enumerate(self.defines):
+            if n in self.node_bit:
+                tt = self.times[k]
+                lbf[n] = tt.fwd_comp if n not in lbf else tuple(map(min, lbf[n], tt.fwd_comp))
+                lbb[n] = tt.bwd_comp if n not in lbb else tuple(map(min, lbb[n], tt.bwd_comp))
+        self.lbf = {n: lbf.get(n, zero) for n in self.nodes}
+        self.lbb = {n: lbb.get(n, zero) for n in self.nodes}
+        g = self.theory.graph
+        anc: dict[int, int] = {}
+        for n in sorted(self.nodes):
+            m = self.node_bit[n]
+            for o in g[n].operands:
+                m |= anc.get(o, 0)
+            anc[n] = m
+        self.all_nodes = sum(self.node_bit.values())
+        self.prop_cover = {b: anc.get(p.ref, 0) if p != DONE else self.all_nodes for p, b in self.bits.items()}
+        self._rem_cache: dict[int, tuple[tuple, tuple]] = {}
+
+    def covered(self, live: int) -> int:
+        c = 0
+        m = live
+        while m:
+            low = m & -m
+            c |= self.prop_cover.get(low, 0)
+            m ^= low
+        return c
+
+    def _remaining(self, live: int) -> tuple[tuple, tuple]:
+        due = self.all_nodes & ~self.covered(live)
+        hit = self._rem_cache.get(due)
+        if hit is None:
+            rf = [0.0] * self.ntypes
+            rb = [0.0] * self.ntypes
+            for n in self.nodes:
+                if due & self.node_bit[n]:
+                    for t in range(self.ntypes):
+                        rf[t] += self.lbf[n][t]
+                        rb[t] += self.lbb[n][t]
+            hit = self._rem_cache[due] = (tuple(rf), tuple(rb))
+        return hit
+
+    def _drop_dead(self, live: int, ever: int, used: int) -> int:
+        m = live & ~self.protected
+        while m:
+            low = m & -m
+            m ^= low
+            for c in self.consumers.get(low, ()):
+                if (self.post[c] & ~ever) and not (self.tok[c] & used):
+                    break
+            else:
+                live &= ~low
+        return live
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _search(self, on_state: Callable[[int, tuple], None], done: Callable[[float], bool]) -> list[tuple]:
+        """Best-first over partial programs; ``on_state`` sees every kept state, ``done(score)``
+        says when the smallest open score can no longer matter."""
+        t0 = time.perf_counter()
+        zero = (0.0,) * self.ntypes
+        # record: (live, tokens, ever, closed, fopen, bopen, last_pure, parent, triple)
+        nodes: list[tuple] = []
+        dead: set[int] = set()
+        best: dict[tuple[int, int, int], list[int]] = {}
+        heap: list[tuple[float, int]] = []
+
+        def push(rec: tuple) -> None:
+            live, tokens, _, closed, fo, bo, lp, _, _ = rec
+            key = (live, tokens, lp)
+            bucket = best.get(key)
+            if bucket is not None:
+                for other in bucket:
+                    o = nodes[other]
+                    if closed >= o[3] + _over(o[4], fo) + _over(o[5], bo):
+                        self.stats.pruned += 1
+                        return
+                keep = []
+                for other in bucket:
+                    o = nodes[other]
+                    if o[3] >= closed + _over(fo, o[4]) + _over(bo, o[5]):
+                        dead.add(other)
+                        self.stats.pruned += 1
+                    else:
+                        keep.append(other)
+                bucket[:] = keep
+            else:
+                bucket = best[key] = []
+            idx = len(nodes)
+            nodes.append(rec)
+            bucket.append(idx)
+            rf, rb = self._remaining(live)
+            score = closed + max(a + b for a, b in zip(fo, rf)) + max(a + b for a, b in zip(bo, rb))
+            heapq.heappush(heap, (score, idx))
+            self.stats.generated += 1
+            on_state(idx, rec)
+
+        start = self._drop_dead(self.start, self.start, self.start_tokens)
+        push((start, self.start_tokens, self.start, 0.0, zero, zero, -1, -1, -1))
+        next_report = t0 + 2.0
+        while heap:
+            score, idx = heapq.heappop(heap)
+            if done(score):
+                break
+            if idx in dead:
+                continue
+            self.stats.expanded += 1
+            live, tokens, ever, closed, fo, bo, lp, _, _ = nodes[idx]
+            cand = set(self.free)
+            m = live
+            while m:
+                low = m & -m
+                cand.update(self.consumers.get(low, ()))
+                m ^= low
+            for k in sorted(cand):
+                if self.pre[k] & ~live or self.tok[k] & tokens or not (self.post[k] & ~ever):
+                    continue
+                pure = self.pure[k]
+                if pure and lp >= 0 and self.key[k] < lp:
+                    continue  # canonical order inside a stage
+                tt = self.times[k]
+                c, f, b = closed + tt.grad, fo, bo
+                if tt.has_fwd_comm:
+                    c += max(f) + tt.fwd_comm
+                    f = tt.fwd_comp
+                else:
+                    f = tuple(x + y for x, y in zip(f, tt.fwd_comp))
+                if tt.has_bwd_comm:
+                    c += max(b) + tt.bwd_comm
+                    b = tt.bwd_comp
+                else:
+                    b = tuple(x + y for x, y in zip(b, tt.bwd_comp))
+                new_ever = ever | self.post[k]
+                new_tok = tokens | self.tok[k]
+                new_live = self._drop_dead(live | self.post[k], new_ever, new_tok)
+                if not (new_live & self.post[k] & ~live):
+                    continue  # everything it adds is dead on arrival: a useless triple
+                push((new_live, new_tok, new_ever, c, f, b, self.key[k] if pure else -1, idx, k))
+            if self.progress is not None and time.perf_counter() > next_report:
+                next_report = time.perf_counter() + 2.0
+                self.progress(self.stats, score)
+        self.stats.seconds += time.perf_counter() - t0
+        return nodes
+
+    def _path(self, nodes: list, idx: int) -> list[int]:
+        out = []
+        while nodes[idx][7] >= 0:
+            out.append(self.ids[nodes[idx][8]])
+            idx = nodes[idx][7]
+        return out[::-1]
+
+    @staticmethod
+    def _cost(rec: tuple) -> float:
+        return rec[3] + max(rec[4]) + max(rec[5])
+
+    def run(self, goals: dict[str, frozenset[Prop]]) -> dict[str, Found]:
+        """Optimal programs reaching each goal (A* with early termination)."""
+        masks = {name: self._mask(ps) for name, ps in goals.items()}
+        self.protected |= sum(masks.values())
+        best = {name: (float("inf"), -1) for name in goals}
+
+        def on_state(idx: int, rec: tuple) -> None:
+            for name, gm in masks.items():
+                if not (gm & ~rec[0]):
+                    c = self._cost(rec)
+                    if c < best[name][0] - 1e-15:
+                        best[name] = (c, idx)
+
+        def done(score: float) -> bool:
+            return all(score >= c - 1e-15 for c, _ in best.values())
+
+        nodes = self._search(on_state, done)
+        return {name: Found(c, self._path(nodes, i)) for name, (c, i) in best.items() if i >= 0}
+
+    def explore(self, exit_key: Callable[[frozenset[Prop], frozenset[tuple]], Hashable]) -> dict[Hashable, Found]:
+        """Every way to finish the segment (all its nodes computed), cheapest per exit state."""
+        best: dict[Hashable, tuple[float, int]] = {}
+        keys: dict[tuple[int, int], Hashable] = {}
+
+        def on_state(idx: int, rec: tuple) -> None:
+            if self.all_nodes & ~self.covered(rec[0]):
+                return
+            k2 = (rec[0] & self.protected, rec[1])
+            if k2 not in keys:
+                keys[k2] = exit_key(self.props(k2[0]), self.tokens(k2[1]))
+            key = keys[k2]
+            c = self._cost(rec)
+            if key not in best or c < best[key][0] - 1e-15:
+                best[key] = (c, idx)
+
+        nodes = self._search(on_state, lambda score: False)
+        return {
+            key: Found(c, self._path(nodes, i), self.props(nodes[i][0] & self.protected), self.tokens(nodes[i][1]))
+            for key, (c, i) in best.items()
+        }
+
+
+def _over(a: tuple[float, ...], b: tuple[float, ...]) -> float:
+    """``max(0, max_t(a_t - b_t))``."""
+    d = 0.0
+    for x, y in zip(a, b):
+        if x - y > d:
+            d = x - y
+    return d

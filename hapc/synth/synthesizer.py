@@ -1,0 +1,476 @@
+"""Program synthesis for fixed ratios: segment searches joined by a dynamic program (HAP §4, §5.2).
+
+``Q(B) = argmin_Q t(Q, B)`` (HAP Eq. 1). The graph's computed nodes are split into *segments*
+(consecutive in topological order); each segment starts fresh stages, as HAP's segments do
+(§5.2), so a program's cost is the sum of its segments' costs. The state between two segments is
+what crosses the cut: the live properties of tensors computed before and needed after, and the
+exclusive tokens still relevant. A dynamic program over the segments keeps, for every such state,
+the cheapest way to reach it; each transition is a search over the segment's triples
+(:class:`~hapc.synth.search.SegmentSearch`), cached across segments with equal signatures (the
+repeated blocks of HARP §5.1). Within the segmented cost model the result is optimal.
+
+Segmentation (``segments=``):
+
+``"node"`` (default)
+    one computed node per segment. Fast (the search per transition is tiny), and for the
+    programs HAP produces it prices what the paper's stage model prices: cutting a stage only
+    splits ``max_t (a_t + b_t)`` into ``max_t a_t + max_t b_t``, equal whenever ``a`` and ``b`` peak on
+    the same device type -- true for replicated work (slowest device) and for sharded work with
+    ratios between compute-proportional and even. ``benchmarks/synth_time.py`` measures the gap.
+``"blocks"``
+    cut only where a single tensor crosses (between transformer blocks); stages span whole blocks.
+``"none"``
+    one segment: HAP's A* over the whole program (exact for the unsegmented stage model; slow
+    beyond small graphs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..errors import InfeasibleError
+from ..theory.graph import OP
+from ..theory.instructions import Collective, Compute
+from ..theory.props import DONE, Prop
+from ..theory.triples import Theory
+from .cost import CostModel, Vec
+from .search import Progress, SearchStats, SegmentSearch
+from .segments import find_cuts, source_like
+
+SEGMENTATIONS = ("node", "blocks", "none")
+_DEBUG = False
+
+
+@dataclass
+class Segment:
+    index: int
+    anchors: list[int]  # the computed nodes of this segment
+    triples: list[int] = field(default_factory=list)  # theory indices, in theory order
+    needed_after: dict[int, frozenset] = field(default_factory=dict)  # tensor -> layouts needed later
+    tokens_after: frozenset = frozenset()  # tokens that still matter after this segment
+    local_needed: dict[int, frozenset] = field(default_factory=dict)  # ... restricted to this segment's tensors
+    local_tokens: frozenset = frozenset()
+    signature: str = ""
+
+
+@dataclass
+class SynthResult:
+    """The best program for fixed ratios, per segment."""
+
+    parts: list[list[int]]  # per segment: theory triple indices, in program order
+    cost: float
+    segment_costs: list[float]
+    stats: SearchStats = field(default_factory=SearchStats)
+    searches: int = 0
+
+    @property
+    def triples(self) -> list[int]:
+        return [t for p in self.parts for t in p]
+
+
+class SynthSpace:
+    """Everything about a theory that does not depend on ratios: segments and allowed triples."""
+
+    def __init__(self, theory: Theory, m: int, segments: str = "node", allowed: set[int] | None = None):
+        if segments not in SEGMENTATIONS:
+            raise ValueError(f"segments must be one of {SEGMENTATIONS}, got {segments!r}")
+        self.theory, self.m, self.mode = theory, m, segments
+        self.allowed = shardable_triples(theory, m) if allowed is None else allowed
+        g = theory.graph
+        sources = source_like(g)
+        anchors = [n.index for n in g if n.kind == OP and n.index not in sources]
+        if segments == "node":
+            groups = [[a] for a in anchors]
+        elif segments == "none":
+            groups = [anchors]
+        else:
+            cut_after = {pos for pos, _ in find_cuts(g)}
+            groups, cur = [], []
+            for a in anchors:
+                cur.append(a)
+                if a in cut_after and len(cur) >= 2:
+                    groups.append(cur)
+                    cur = []
+            if cur:
+                groups.append(cur)
+        self.segments = [Segment(i, grp) for i, grp in enumerate(groups)]
+        self._assign(anchors)
+        self._needs()
+        for s in self.segments:
+            s.signature = self._signature(s)
+        # blocks: runs of segments between single-tensor cuts, searched once per distinct block
+        cut_after = {pos for pos, _ in find_cuts(g)}
+        self.blocks: list[list[int]] = [[]]
+        for seg in self.segments:
+            self.blocks[-1].append(seg.index)
+            if seg.anchors[-1] in cut_after:
+                self.blocks.append([])
+        self.blocks = [b for b in self.blocks if b]
+        self.block_signatures = []
+        for b in self.blocks:
+            base = self.segments[b[0]].anchors[0]
+            key = [(self.segments[i].anchors[0] - base, self.segments[i].signature) for i in b]
+            self.block_signatures.append(hashlib.sha256(repr(key).encode()).hexdigest()[:24])
+
+    def _assign(self, anchors: list[int]) -> None:
+        th = self.theory
+        where = {a: s.index for s in self.segments for a in s.anchors}
+        users = defaultdict(set)  # tensor -> segments whose triples need it
+        homes: dict[int, int] = {}
+        for k in sorted(self.allowed):
+            t = th.triples[k]
+            last = t.instrs[-1]
+            if isinstance(last, Collective):
+                continue
+            seg = where.get(last.ref)
+            if seg is None:
+                seg = max((where[p.ref] for p in t.pre if p.ref in where), default=0)
+            homes[k] = seg
+            for p in t.pre:
+                users[p.ref].add(seg)
+        for k in sorted(self.allowed):
+            last = self.theory.triples[k].instrs[-1]
+            if isinstance(last, Collective):
+                # a tensor moves where it is used; with one node per segment every collective is a
+                # stage of its own, so moving it right before its consumer costs the same
+                segs = set(users[last.ref])
+                if last.ref in where and self.mode != "node":
+                    segs.add(where[last.ref])
+                for s in segs:
+                    self.segments[s].triples.append(k)
+            else:
+                self.segments[homes[k]].triples.append(k)
+        for s in self.segments:
+            s.triples.sort()
+
+    def _needs(self) -> None:
+        """For each segment: the layouts of each tensor needed by later segments' triples."""
+        th = self.theory
+        later: dict[int, set] = defaultdict(set)
+        tokens_later: set = set()
+        for s in reversed(self.segments):
+            s.needed_after = {x: frozenset(ls) for x, ls in later.items() if ls}
+            s.tokens_after = frozenset(tokens_later)
+            refs = set(s.anchors)
+            for k in s.triples:
+                t = th.triples[k]
+                refs |= {p.ref for p in t.pre} | {p.ref for p in t.post}
+                for p in t.pre:
+                    later[p.ref].add(p.layout)
+                tokens_later |= {tok for tok in t.tokens if tok[0] in ("comm", "src")}
+            s.local_needed = {x: ls for x, ls in s.needed_after.items() if x in refs}
+            s.local_tokens = frozenset(tok for tok in s.tokens_after if tok[1] in refs)
+
+    def _signature(self, s: Segment) -> str:
+        th = self.theory
+        base = s.anchors[0]
+        h = hashlib.sha256()
+        for k in s.triples:
+            t = th.triples[k]
+            h.update(repr(sorted((p.ref - base, repr(p.layout)) for p in t.pre)).encode())
+            h.update(repr(sorted((p.ref - base, repr(p.layout)) for p in t.post)).encode())
+            h.update(repr([_rel_instr(i, base) for i in t.instrs]).encode())
+            h.update(repr(sorted((a, r - base) for a, r in t.tokens)).encode())
+            h.update(repr(t.cost).encode())
+        h.update(repr(sorted((x - base, tuple(sorted(map(repr, ls)))) for x, ls in s.local_needed.items())).encode())
+        h.update(repr(sorted((a, r - base) for a, r in s.local_tokens)).encode())
+        return h.hexdigest()[:24]
+
+
+def _rel_instr(ins, base: int) -> tuple:
+    d = ins.to_json()
+    d["ref"] = d["ref"] - base
+    return tuple(sorted((k, repr(v)) for k, v in d.items()))
+
+
+def shardable_triples(theory: Theory, m: int) -> set[int]:
+    """Triples whose sharded dims are big enough for every one of ``m`` devices to hold a slice."""
+    ok = set()
+    for k, t in enumerate(theory.triples):
+        props = list(t.pre) + list(t.post)
+        for ins in t.instrs:
+            if isinstance(ins, Compute):
+                node = theory.graph[ins.ref]
+                props += [Prop(o, lay) for o, lay in zip(node.operands, ins.inputs)]
+        if all(not p.layout.is_sharded or theory.atoms(p.ref, p.layout.dim) >= m for p in props if p != DONE):
+            ok.add(k)
+    return ok
+
+
+class _Bits:
+    """Global bit numbering of properties and tokens, so DP states are two integers."""
+
+    def __init__(self) -> None:
+        self.prop: dict[Prop, int] = {}
+        self.tok: dict[tuple, int] = {}
+        self.prop_of: dict[int, Prop] = {}
+        self.tok_of: dict[int, tuple] = {}
+
+    def p(self, prop: Prop) -> int:
+        b = self.prop.get(prop)
+        if b is None:
+            b = self.prop[prop] = 1 << len(self.prop)
+            self.prop_of[b] = prop
+        return b
+
+    def t(self, tok: tuple) -> int:
+        b = self.tok.get(tok)
+        if b is None:
+            b = self.tok[tok] = 1 << len(self.tok)
+            self.tok_of[b] = tok
+        return b
+
+    def props(self, mask: int) -> list[Prop]:
+        out = []
+        while mask:
+            low = mask & -mask
+            out.append(self.prop_of[low])
+            mask ^= low
+        return out
+
+    def toks(self, mask: int) -> list[tuple]:
+        out = []
+        while mask:
+            low = mask & -mask
+            out.append(self.tok_of[low])
+            mask ^= low
+        return out
+
+
+@dataclass
+class _SegMasks:
+    touched_props: int  # every property of a tensor this segment reads or produces
+    touched_toks: int
+    needed: int  # properties needed after this segment (and Done)
+    toks_after: int
+
+
+class _Synth:
+    """One synthesis run: caches of triple times, segment searches and block transfer tables.
+
+    DP states are ``(live, tokens)`` bitmasks over all properties / tokens of the theory.
+    """
+
+    def __init__(self, space: SynthSpace, model: CostModel, ratios: Vec, progress: Progress | None):
+        self.space, self.model, self.ratios, self.progress = space, model, ratios, progress
+        self.th = th = space.theory
+        self.times: dict[int, object] = {}
+        self.seg_cache: dict[tuple, dict] = {}  # (signature, relative entry) -> exits
+        self.exit_cache: dict[tuple, list] = {}  # (segment, entry masks) -> exits as masks
+        self.block_cache: dict[tuple, dict] = {}
+        self.reps: dict[str, Segment] = {}
+        self.stats = SearchStats()
+        self.searches = 0
+        self.bits = bits = _Bits()
+        bits.p(DONE)
+        by_ref: dict[int, int] = defaultdict(int)
+        tok_by_ref: dict[int, int] = defaultdict(int)
+        for t in th.triples:
+            for pr in (*t.pre, *t.post):
+                by_ref[pr.ref] |= bits.p(pr)
+            for tok in t.tokens:
+                tok_by_ref[tok[1]] |= bits.t(tok)
+        self.masks = []
+        for seg in space.segments:
+            refs = {p.ref for k in seg.triples for p in th.triples[k].pre} | set(seg.anchors)
+            refs |= {r for k in seg.triples for _, r in th.triples[k].tokens}
+            touched = 0
+            ttoks = 0
+            for r in refs:
+                touched |= by_ref.get(r, 0)
+                ttoks |= tok_by_ref.get(r, 0)
+            needed = bits.p(DONE)
+            for x, ls in seg.needed_after.items():
+                for lay in ls:
+                    needed |= bits.p(Prop(x, lay))
+            after = 0
+            for tok in seg.tokens_after:
+                after |= bits.t(tok)
+            self.masks.append(_SegMasks(touched, ttoks, needed, after))
+        counts = defaultdict(int)
+        for sig in space.block_signatures:
+            counts[sig] += 1
+        self.repeated = {sig for sig, c in counts.items() if c > 1}
+
+    def time_of(self, k: int):
+        if k not in self.times:
+            self.times[k] = self.model.triple_time(self.th.triples[k].cost, self.ratios)
+        return self.times[k]
+
+    def segment_exits(self, seg: Segment, enter: int, toks: int) -> list:
+        """Ways through ``seg`` from entry masks: ``[(live, tokens, cost, program), ...]``."""
+        key = (seg.index, enter, toks)
+        hit = self.exit_cache.get(key)
+        if hit is not None:
+            return hit
+        th, bits = self.th, self.bits
+        rep = self.reps.setdefault(seg.signature, seg)
+        base = seg.anchors[0]
+        rel_enter = frozenset((p.ref - base, p.layout) for p in bits.props(enter))
+        rel_tokens = frozenset((a, r - base) for a, r in bits.toks(toks))
+        skey = (seg.signature, rel_enter, rel_tokens)
+        if skey not in self.seg_cache:
+            self.seg_cache[skey] = _explore(
+                th, rep, rep.anchors[0], rel_enter, rel_tokens, self.time_of, self.model, self.progress, self.stats
+            )
+            self.searches += 1
+        pos = {t: k for k, t in enumerate(rep.triples)}
+        out = []
+        for (rel_exit, rel_tok_out), (c, rel_prog) in self.seg_cache[skey].items():
+            live = 0
+            for r, lay in rel_exit:
+                live |= bits.p(Prop(r + base, lay)) if r != DONE.ref - base else bits.p(DONE)
+            tk = 0
+            for a, r in rel_tok_out:
+                tk |= bits.t((a, r + base))
+            out.append((live, tk, c, [seg.triples[pos[t]] for t in rel_prog]))
+        self.exit_cache[key] = out
+        return out
+
+    def step(self, seg: Segment, table: dict[tuple[int, int], tuple]) -> dict[tuple[int, int], tuple]:
+        """The DP across one segment: ``(live, tokens) -> (cost, back pointer)``."""
+        mk = self.masks[seg.index]
+        nxt: dict[tuple[int, int], tuple] = {}
+        for (live, tokens), (cost, back) in table.items():
+            passing = live & ~mk.touched_props
+            kept = tokens & ~mk.touched_toks
+            for ex_live, ex_tok, c, prog in self.segment_exits(seg, live & mk.touched_props, tokens & mk.touched_toks):
+                ns = ((ex_live | passing) & mk.needed, (ex_tok | kept) & mk.toks_after)
+                total = cost + c
+                old = nxt.get(ns)
+                if old is None or total < old[0] - 1e-15:
+                    nxt[ns] = (total, (back, seg.index, prog, c))
+        if not nxt:
+            raise InfeasibleError(
+                f"no program gets past segment {seg.index} (nodes {seg.anchors[0]}..{seg.anchors[-1]}); "
+                "every op has a replicate triple, so the allowed triples were restricted too far"
+            )
+        return nxt
+
+    def run_block(self, b: int, table: dict) -> dict:
+        """The DP across block ``b`` for a whole table of entry states."""
+        for i in self.space.blocks[b]:
+            table = self.step(self.space.segments[i], table)
+        return table
+
+    def block_from(self, b: int, state: tuple[int, int]) -> dict:
+        """Exits of a repeated block from one entry state, cached relative to the block start."""
+        sp, bits = self.space, self.bits
+        segs = [sp.segments[i] for i in sp.blocks[b]]
+        base = segs[0].anchors[0]
+        rel = (
+            frozenset((p.ref - base, p.layout) for p in bits.props(state[0])),
+            frozenset((a, r - base) for a, r in bits.toks(state[1])),
+        )
+        key = (sp.block_signatures[b], rel)
+        if key not in self.block_cache:
+            table = self.run_block(b, {state: (0.0, None)})
+            out = {}
+            for (lv, tk), (c, back) in table.items():
+                progs = []
+                while back is not None:
+                    back, si, prog, sc = back
+                    progs.append((si - segs[0].index, [sp.segments[si].triples.index(t) for t in prog], sc))
+                rel_st = (
+                    frozenset((p.ref - base, p.layout) for p in bits.props(lv)),
+                    frozenset((a, r - base) for a, r in bits.toks(tk)),
+                )
+                out[rel_st] = (c, progs[::-1])
+            self.block_cache[key] = out
+        result = {}
+        for (rl, rt), (c, progs) in self.block_cache[key].items():
+            lv = 0
+            for r, lay in rl:
+                lv |= bits.p(Prop(r + base, lay)) if r != DONE.ref - base else bits.p(DONE)
+            tk = 0
+            for a, r in rt:
+                tk |= bits.t((a, r + base))
+            mapped = [(segs[off].index, [segs[off].triples[i] for i in prog], sc) for off, prog, sc in progs]
+            result[(lv, tk)] = (c, mapped)
+        return result
+
+
+def synthesize_program(
+    space: SynthSpace, model: CostModel, ratios: Vec, progress: Progress | None = None
+) -> SynthResult:
+    """The optimal program for ``ratios`` (HAP Eq. 1) within ``space``'s segmented cost model.
+
+    A block (the segments between two single-tensor cuts) that occurs several times -- a
+    transformer layer -- is solved once per entry state and reused; others run in the table.
+    """
+    run = _Synth(space, model, ratios, progress)
+    table: dict[tuple[int, int], tuple] = {(0, 0): (0.0, None)}
+    for b in range(len(space.blocks)):
+        if space.block_signatures[b] in run.repeated:
+            nxt: dict[tuple[int, int], tuple] = {}
+            for state, (cost, back) in table.items():
+                for ex, (c, progs) in run.block_from(b, state).items():
+                    total = cost + c
+                    if ex not in nxt or total < nxt[ex][0] - 1e-15:
+                        nxt[ex] = (total, (back, -1, progs, c))
+            table = nxt
+        else:
+            table = run.run_block(b, table)
+        _prune_dominated(table, run.bits)
+    done = run.bits.p(DONE)
+    finals = [(c, back) for (lv, _), (c, back) in table.items() if lv & done]
+    if not finals:
+        raise InfeasibleError("no complete program: the loss is never produced")
+    total, back = min(finals, key=lambda x: x[0])
+    parts: list[list[int]] = [[] for _ in space.segments]
+    seg_costs = [0.0] * len(space.segments)
+    while back is not None:
+        back, si, prog, c = back
+        if si >= 0:
+            parts[si], seg_costs[si] = prog, c
+        else:  # a whole repeated block
+            for sj, p, sc in prog:
+                parts[sj], seg_costs[sj] = p, sc
+    return SynthResult(parts, total, seg_costs, run.stats, run.searches)
+
+
+def _prune_dominated(states: dict[tuple[int, int], tuple], bits: _Bits) -> None:
+    """Drop a state when another with the same tokens and tensors holds a superset of properties
+    at no higher cost: every continuation of the first works from the second, no slower."""
+    groups: dict[tuple, list[tuple[tuple[int, int], float]]] = defaultdict(list)
+    for st, val in states.items():
+        refs = frozenset(p.ref for p in bits.props(st[0]))
+        groups[(st[1], refs)].append((st, val[0]))
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        members.sort(key=lambda x: x[1])
+        kept: list[tuple[tuple[int, int], float]] = []
+        for st, c in members:
+            if any((k[0] & st[0]) == st[0] and kc <= c for k, kc in kept):
+                del states[st]
+            else:
+                kept.append((st, c))
+
+
+def _explore(th, rep: Segment, base: int, rel_enter, rel_tokens, time_of, model, progress, stats) -> dict:
+    enter = frozenset(Prop(r + base, lay) for r, lay in rel_enter)
+    tokens = frozenset((a, r + base) for a, r in rel_tokens)
+    protected = frozenset(Prop(x, lay) for x, ls in rep.local_needed.items() for lay in ls) | frozenset({DONE})
+    trip = list(rep.triples)
+    search = SegmentSearch(
+        th, trip, [time_of(k) for k in trip], enter, protected, rep.anchors, len(model.types), tokens, progress
+    )
+
+    def exit_key(live: frozenset[Prop], toks: frozenset) -> tuple:
+        return (
+            frozenset((p.ref - base, p.layout) for p in live),
+            frozenset((a, r - base) for a, r in toks if (a, r) in rep.local_tokens),
+        )
+
+    found = search.explore(exit_key)
+    stats.add(search.stats)
+    return {key: (f.cost, f.triples) for key, f in found.items()}
+
+
+def program_cost(theory: Theory, model: CostModel, parts: Sequence[Sequence[int]], ratios: Vec) -> float:
+    """``t(Q, B)`` of a program given per segment (each segment starts fresh stages, HAP §5.2)."""
+    return sum(model.cost([theory.triples[k].cost for k in part], ratios) for part in parts)

@@ -1,0 +1,56 @@
+"""Acceptance 1 of synthesis: the search returns exactly the least cost of all complete programs.
+
+Random small graphs (hypothesis) on random 2-4 device clusters with random (uneven) ratios; the
+reference enumerates every program of the theory (``hapc.synth.exhaustive``). Checked for the
+whole-program A* (HAP's stage model) and for the default one-node-per-segment dynamic program
+(whose stages are single triples).
+"""
+
+import math
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from randgraph import random_clusters, random_models, ratios_for
+
+import hapc
+from hapc.synth.cost import CostModel
+from hapc.synth.exhaustive import exhaustive_min_cost
+from hapc.synth.synthesizer import SynthSpace, program_cost, synthesize_program
+
+SETTINGS = settings(
+    max_examples=int(__import__("os").environ.get("HAPC_EXAMPLES", 120)),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+def _setup(data, model_and_inputs, cluster):
+    model, inputs = model_and_inputs
+    theory = hapc.derive(
+        hapc.trace(model, inputs), variants=data.draw(st.sampled_from([("padded",), ("padded", "grouped")]))
+    )
+    cm = CostModel(cluster)
+    ratios = ratios_for(data.draw, cluster)
+    return theory, cm, ratios
+
+
+@SETTINGS
+@given(data=st.data(), mi=random_models(max_ops=2), cluster=random_clusters())
+def test_astar_matches_exhaustive_enumeration(data, mi, cluster):
+    theory, cm, ratios = _setup(data, mi, cluster)
+    space = SynthSpace(theory, cm.m, "none")
+    found = synthesize_program(space, cm, ratios)
+    best = exhaustive_min_cost(theory, cm, ratios, space.allowed)
+    assert math.isclose(found.cost, best, rel_tol=1e-9, abs_tol=1e-15), (found.cost, best)
+    assert math.isclose(program_cost(theory, cm, found.parts, ratios), found.cost, rel_tol=1e-9, abs_tol=1e-15)
+
+
+@SETTINGS
+@given(data=st.data(), mi=random_models(max_ops=3), cluster=random_clusters())
+def test_segment_dp_matches_exhaustive_enumeration(data, mi, cluster):
+    theory, cm, ratios = _setup(data, mi, cluster)
+    space = SynthSpace(theory, cm.m, "node")
+    found = synthesize_program(space, cm, ratios)
+    best = exhaustive_min_cost(theory, cm, ratios, space.allowed, additive=True)
+    assert math.isclose(found.cost, best, rel_tol=1e-9, abs_tol=1e-15), (found.cost, best)
+    assert math.isclose(program_cost(theory, cm, found.parts, ratios), found.cost, rel_tol=1e-9, abs_tol=1e-15)
