@@ -10,6 +10,8 @@ The public API. Everything not listed in ``__all__`` is internal.
 from __future__ import annotations
 
 from . import ops
+from .api import synthesize
+from .cluster import Cluster
 from .errors import (
     ClusterError,
     HapcError,
@@ -20,6 +22,7 @@ from .errors import (
     UnsupportedOpError,
     UnsupportedOpWarning,
 )
+from .plan import Plan
 from .theory import (
     DONE,
     PARTIAL,
@@ -54,6 +57,7 @@ __all__ = [
     "DONE",
     "PARTIAL",
     "REPLICATED",
+    "Cluster",
     "ClusterError",
     "HapcError",
     "InfeasibleError",
@@ -62,6 +66,7 @@ __all__ = [
     "OpView",
     "Operand",
     "Partial",
+    "Plan",
     "PlanError",
     "Prop",
     "RefGraph",
@@ -84,6 +89,7 @@ __all__ = [
     "register_op",
     "register_rule",
     "shard",
+    "synthesize",
     "trace",
     "verify",
 ]

@@ -2,6 +2,7 @@
 
     hapc rules [--json]                      every op the theory knows and how it may shard
     hapc theory MODEL [--json] [--verify]    the Hoare-triple theory of a model
+    hapc synth MODEL --cluster C [--show-program] [--json PLAN] [--baseline dp-ev|dp-cp|tp]
     hapc demo                                the README's main job
 
 MODEL is a zoo alias (``gpt``, ``gpt-1.3b``, ``bert``, ``mlp``, ``cnn``, ``moe``...) or
@@ -161,6 +162,75 @@ def _input_names(model: Any) -> list[str]:
     return [p for p in inspect.signature(model.forward).parameters]
 
 
+# -- hapc synth --------------------------------------------------------------------------------
+
+
+def cmd_synth(ns: argparse.Namespace) -> int:
+    from collections import Counter
+
+    from .api import synthesize
+    from .cluster import Cluster
+    from .theory.instructions import Collective
+
+    console = _console()
+    cluster = Cluster.load(ns.cluster)
+    model, inputs = load_model(ns.model, ns.arg)
+
+    def progress(stats, score):
+        console.print(f"[dim]  searching: {stats.expanded} expanded, {stats.generated} generated, score {score:.4g}[/]")
+
+    plan = synthesize(
+        model,
+        cluster,
+        inputs,
+        segments=ns.segments,
+        rounds=ns.rounds,
+        solver=ns.solver,
+        baseline=ns.baseline,
+        memory=not ns.no_memory,
+        progress=progress,
+    )
+    if ns.json:
+        plan.save(ns.json)
+    console.print(f"[bold]{ns.model}[/] on {cluster.describe()}")
+    console.print(str(plan), markup=False)
+    ratios = Table(title="sharding ratios (per device of each type)")
+    for col in ("device type", "devices", "ratio", "share of work", "memory used", "memory"):
+        ratios.add_column(col, justify="right")
+    for t, r, m in zip(plan.device_types, plan.ratios, plan.predicted["memory"]):
+        ratios.add_row(t["name"], str(t["count"]), f"{r:.4f}", f"{r * t['count']:.1%}", _gib(m), _gib(t["memory"]))
+    console.print(ratios)
+    stages = Table(title="predicted time per direction")
+    for col in ("direction", "stages", "communication ms", "compute ms", "total ms"):
+        stages.add_column(col, justify="right")
+    for d in ("forward", "backward", "gradients"):
+        ss = [st for st in plan.stages if st.direction == d]
+        c = sum(st.comm for st in ss)
+        p = sum(max(st.comp, default=0.0) for st in ss)
+        stages.add_row(d, str(len(ss)), f"{c * 1e3:.4g}", f"{p * 1e3:.4g}", f"{(c + p) * 1e3:.4g}")
+    console.print(stages)
+    kinds = Counter(f"{i.op}{'/' + i.variant if i.variant else ''}" for i in plan.collectives())
+    console.print("collectives: " + (", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) or "none"))
+    sfb = plan.sfb_sites()
+    console.print("SFB sites: " + (", ".join(plan.node_names.get(i.ref, str(i.ref)) for i in sfb) or "none"))
+    t = plan.timings
+    console.print(
+        "synthesis time: " + ", ".join(f"{k} {v:.3f}s" for k, v in t.items()) + f"; {len(plan.rounds)} Q/B round(s)"
+    )
+    if ns.show_program:
+        console.print("\n[bold]program[/] (one instruction per line; a collective opens a stage):")
+        for line in plan.describe_program():
+            console.print("  " + line, markup=False)
+    if ns.json:
+        console.print(f"plan written to {ns.json}")
+    del Collective
+    return 0
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.3g} GiB"
+
+
 # -- hapc demo --------------------------------------------------------------------------------
 
 
@@ -191,6 +261,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--verify", action="store_true", help="check every triple on simulated uneven devices")
     t.add_argument("--show", default="20", help="how many triples to print ('all' for every one)")
     t.set_defaults(fn=cmd_theory)
+
+    y = sub.add_parser("synth", help="synthesize the distributed program for a model on a cluster")
+    y.add_argument("model", help="zoo alias or package.module:function")
+    y.add_argument("--cluster", required=True, help="preset name (hap-testbed, local-cpu:3...) or TOML file")
+    y.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="keyword argument for the factory")
+    y.add_argument("--show-program", action="store_true", help="print the program, one instruction per line")
+    y.add_argument("--json", metavar="PATH", help="write the plan as JSON")
+    y.add_argument("--baseline", choices=["dp-ev", "dp-cp", "tp"], help="price a baseline instead")
+    y.add_argument("--segments", default="node", choices=["node", "blocks", "none"], help="search decomposition")
+    y.add_argument("--rounds", type=int, default=4, help="synthesis / LP alternations")
+    y.add_argument("--solver", default="cbc", choices=["cbc", "highs"], help="LP solver")
+    y.add_argument("--no-memory", action="store_true", help="ignore device memory limits")
+    y.set_defaults(fn=cmd_synth)
 
     d = sub.add_parser("demo", help="the README's main job")
     d.set_defaults(fn=cmd_demo)

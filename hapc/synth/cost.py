@@ -88,6 +88,7 @@ class CostModel:
     ):
         self.cluster = cluster
         self.bucket_bytes = bucket_bytes
+        self.memory_price = 0.0  # seconds per device-capacity used, when memory must be traded for time
         self.types: list[DeviceType] = cluster.device_types()
         self.counts = tuple(t.count for t in self.types)
         self.m = sum(self.counts)
@@ -154,9 +155,14 @@ class CostModel:
             self.comp(cost.bwd_flops, cost.bwd_bytes, ratios, cost.param_bytes),
             bool(cost.fwd_comm) and self.m > 1,
             bool(cost.bwd_comm) and self.m > 1,
-            tuple(cost.param_bytes.at(b) * self.memory_factor + cost.act_bytes.at(b) for b in ratios),
-            self.grad_time(cost.grad_comm),
+            mem := tuple(cost.param_bytes.at(b) * self.memory_factor + cost.act_bytes.at(b) for b in ratios),
+            self.grad_time(cost.grad_comm) + self._memory_penalty(mem),
         )
+
+    def _memory_penalty(self, mem: Vec) -> float:
+        if not self.memory_price:
+            return 0.0
+        return self.memory_price * sum(m / t.memory for m, t in zip(mem, self.types))
 
     # -- programs ------------------------------------------------------------------------------
     def breakdown(self, costs: Sequence[CostProfile], ratios: Vec) -> Breakdown:
@@ -184,6 +190,28 @@ class CostModel:
         stages += [fwd, bwd, grads]
         return Breakdown([s for s in stages if s.triples or s.comm])
 
+    def linear_stages(self, costs: Sequence[CostProfile]) -> tuple[list[LinearStage], float]:
+        """The program's stages with times as linear functions of the ratios (for the LP), and the
+        ratio-independent gradient-sync time. Stage boundaries do not depend on the ratios."""
+        nt = len(self.types)
+        stages: list[LinearStage] = []
+        fwd, bwd = LinearStage.empty(nt), LinearStage.empty(nt)
+        grad = 0.0
+        for c in costs:
+            grad += self.grad_time(c.grad_comm)
+            if c.fwd_comm and self.m > 1:
+                stages.append(fwd)
+                fwd = LinearStage.empty(nt)
+                fwd.add_comm(self, c.fwd_comm)
+            fwd.add_comp(self, c.fwd_flops, c.fwd_bytes, None)
+            if c.bwd_comm and self.m > 1:
+                stages.append(bwd)
+                bwd = LinearStage.empty(nt)
+                bwd.add_comm(self, c.bwd_comm)
+            bwd.add_comp(self, c.bwd_flops, c.bwd_bytes, c.param_bytes)
+        stages += [fwd, bwd]
+        return stages, grad
+
     def cost(self, costs: Sequence[CostProfile], ratios: Vec) -> float:
         return self.breakdown(costs, ratios).total
 
@@ -198,3 +226,41 @@ class CostModel:
 
 def _add(a: Vec, b: Vec) -> Vec:
     return tuple(x + y for x, y in zip(a, b))
+
+
+@dataclass
+class LinearStage:
+    """One stage as linear functions: ``comm = comm_const + comm_max * max_t B_t`` and, per type,
+    ``comp_t = comp_const[t] + comp_slope[t] * B_t``."""
+
+    comm_const: float
+    comm_max: float
+    comp_const: list[float]
+    comp_slope: list[float]
+
+    @staticmethod
+    def empty(nt: int) -> LinearStage:
+        return LinearStage(0.0, 0.0, [0.0] * nt, [0.0] * nt)
+
+    def add_comm(self, model: CostModel, comms: Sequence[Comm]) -> None:
+        for c in comms:
+            ab = model.ab[c.primitive]
+            if c.scaling == "max":
+                self.comm_const += ab.alpha
+                self.comm_max += ab.beta * c.nbytes
+            elif c.scaling == "each":
+                self.comm_const += model.m * ab.alpha + ab.beta * c.nbytes
+            else:
+                self.comm_const += ab.alpha + ab.beta * c.nbytes
+
+    def add_comp(self, model: CostModel, flops: Linear, nbytes: Linear, params: Linear | None) -> None:
+        for k in range(len(self.comp_const)):
+            self.comp_const[k] += flops.const * model.inv_flops[k] + nbytes.const * model.inv_mbw[k]
+            self.comp_slope[k] += flops.per_ratio * model.inv_flops[k] + nbytes.per_ratio * model.inv_mbw[k]
+            if params is not None and model.inner[k]:
+                self.comp_const[k] += params.const * model.inner[k]
+                self.comp_slope[k] += params.per_ratio * model.inner[k]
+
+    def time(self, ratios: Vec) -> float:
+        comp = max((a + b * r for a, b, r in zip(self.comp_const, self.comp_slope, ratios)), default=0.0)
+        return self.comm_const + self.comm_max * max(ratios) + comp

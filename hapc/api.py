@@ -1,0 +1,165 @@
+"""The user-facing entry points: ``hapc.synthesize`` (and, with the runtime, ``hapc.compile``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .balance.loop import balance
+from .cluster import Cluster
+from .errors import HapcError
+from .plan import Plan, PlanStage, program_from_triples
+from .synth.baselines import BASELINES, restrict
+from .synth.cost import CostModel
+from .synth.search import Progress
+from .synth.synthesizer import SynthSpace, shardable_triples
+from .theory.graph import OP
+from .theory.trace import backward_work
+
+
+def synthesize(
+    model: torch.nn.Module,
+    cluster: Cluster | str,
+    example_inputs: Any,
+    *,
+    segments: str = "node",
+    rounds: int = 4,
+    solver: str = "cbc",
+    baseline: str | None = None,
+    memory: bool = True,
+    strict: bool = False,
+    sfb: bool = True,
+    variants: Sequence[str] = ("padded", "grouped"),
+    param_comm: bool = False,
+    leaf_modules: Sequence[type] = (),
+    progress: Progress | None = None,
+) -> Plan:
+    """Synthesize the distributed program and sharding ratios for ``model`` on ``cluster``.
+
+    Traces the model, derives its theory, then alternates A*/DP synthesis with the ratio LP
+    (HAP Eq. 1-2) and returns the best :class:`~hapc.plan.Plan`. No processes are started.
+
+    Args:
+        segments: ``"node"`` (default, fast), ``"blocks"`` or ``"none"`` (HAP's whole-program
+            A*); see :mod:`hapc.synth.synthesizer`.
+        rounds: maximum synthesis/balance alternations.
+        solver: ``"cbc"`` or ``"highs"`` for the LP.
+        baseline: ``"dp-ev"``, ``"dp-cp"`` or ``"tp"`` to price a baseline instead.
+        memory: respect each device's memory.
+        strict / sfb / variants / param_comm: passed to :func:`hapc.derive`.
+    """
+    from .theory import derive, trace
+
+    cluster = Cluster.load(cluster) if not isinstance(cluster, Cluster) else cluster
+    t0 = time.perf_counter()
+    graph = trace(model, example_inputs, leaf_modules=leaf_modules)
+    t1 = time.perf_counter()
+    theory = derive(graph, strict=strict, sfb=sfb, variants=variants, param_comm=param_comm)
+    t2 = time.perf_counter()
+    return synthesize_theory(
+        theory,
+        cluster,
+        segments=segments,
+        rounds=rounds,
+        solver=solver,
+        baseline=baseline,
+        memory=memory,
+        progress=progress,
+        timings={"trace": t1 - t0, "derive": t2 - t1},
+        options={"sfb": sfb, "variants": list(variants), "param_comm": param_comm, "strict": strict},
+    )
+
+
+def synthesize_theory(
+    theory: Any,
+    cluster: Cluster,
+    *,
+    segments: str = "node",
+    rounds: int = 4,
+    solver: str = "cbc",
+    baseline: str | None = None,
+    memory: bool = True,
+    progress: Progress | None = None,
+    timings: dict[str, float] | None = None,
+    options: dict[str, Any] | None = None,
+) -> Plan:
+    """:func:`synthesize` for an already derived theory (benchmarks reuse one theory)."""
+    if baseline is not None and baseline not in BASELINES:
+        raise HapcError(f"unknown baseline {baseline!r}; one of {', '.join(BASELINES)}")
+    t0 = time.perf_counter()
+    model = CostModel(cluster)
+    allowed = shardable_triples(theory, model.m)
+    initial = None
+    if baseline is not None:
+        allowed &= restrict(theory, baseline, model.m)
+        initial = model.proportional_ratios() if baseline == "dp-cp" else model.even_ratios()
+    space = SynthSpace(theory, model.m, segments, allowed)
+    t1 = time.perf_counter()
+    best = balance(
+        space,
+        model,
+        rounds=rounds,
+        initial=initial,
+        fixed=baseline is not None,
+        memory=memory,
+        solver=solver,
+        progress=progress,
+    )
+    t2 = time.perf_counter()
+    ratios = best.ratios
+    stages, comm, comp, grads = [], 0.0, 0.0, 0.0
+    all_costs = []
+    for si, part in enumerate(best.result.parts):
+        costs = [theory.triples[k].cost for k in part]
+        all_costs += costs
+        for st in model.breakdown(costs, ratios).stages:
+            stages.append(PlanStage(si, st.direction, st.comm, st.comp))
+            if st.direction == "gradients":
+                grads += st.comm
+            else:
+                comm += st.comm
+                comp += max(st.comp, default=0.0)
+    mem = model.memory(all_costs, ratios)
+    g = theory.graph
+    total_flops = sum(n.flops + backward_work(n, g.nodes)[0] for n in g if n.kind == OP)
+    plan = Plan(
+        program=program_from_triples(theory, best.result.parts),
+        ratios=list(ratios),
+        device_types=[
+            {"name": t.name, "count": t.count, "flops": t.flops, "memory": t.memory, "inner": t.inner}
+            for t in model.types
+        ],
+        device_ratios=model.device_ratios(ratios),
+        graph_fingerprint=g.fingerprint(),
+        cluster_fingerprint=cluster.fingerprint(),
+        cluster_name=cluster.name,
+        predicted={"time": best.cost, "comm": comm, "comp": comp, "gradients": grads, "memory": list(mem)},
+        stages=stages,
+        options={**(options or {}), "segments": segments, "rounds": rounds, "solver": solver, "memory": memory},
+        baseline=baseline,
+        total_flops=total_flops,
+        peak_flops=sum(t.count * t.flops for t in model.types),
+        rounds=[
+            {
+                "ratios_in": list(r.ratios_in),
+                "search_cost": r.search_cost,
+                "ratios_out": list(r.ratios_out),
+                "cost": r.cost,
+            }
+            for r in best.rounds
+        ],
+        timings={
+            **(timings or {}),
+            "space": t1 - t0,
+            "search": best.seconds_search,
+            "lp": best.seconds_lp,
+            "balance": t2 - t1,
+        },
+        node_names={n.index: n.name for n in g},
+    )
+    plan._theory = theory  # type: ignore[attr-defined]  # kept in memory for codegen, never saved
+    plan._parts = best.result.parts  # type: ignore[attr-defined]
+    return plan

@@ -1,0 +1,128 @@
+"""Alternating synthesis and balancing (HAP §3.1, Eq. 1-2), keeping the best pair.
+
+``B0`` is proportional to device speed; then ``Q_s = argmin_Q t(Q, B_{s-1})`` (synthesis) and
+``B_s = argmin_B t(Q_s, B)`` (the LP), until the cost stops improving or the pair repeats
+(oscillation); the best ``(Q, B)`` seen is returned.
+
+Memory: the search prices time only. When the LP finds no ratios under which a program fits
+every device, synthesis is repeated with a price on memory (added to each triple's time, growing
+tenfold per retry) until a program fits; if none does, :class:`InfeasibleError` lists the best
+program's need against each device's capacity.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ..errors import InfeasibleError
+from ..synth.cost import CostModel, Vec
+from ..synth.search import Progress
+from ..synth.synthesizer import SynthResult, SynthSpace, program_cost, synthesize_program
+from .lp import solve_ratios
+
+
+@dataclass
+class Round:
+    ratios_in: Vec
+    search_cost: float
+    ratios_out: Vec
+    cost: float
+    seconds_search: float
+    seconds_lp: float
+
+
+@dataclass
+class Balanced:
+    result: SynthResult
+    ratios: Vec
+    cost: float
+    rounds: list[Round] = field(default_factory=list)
+    memory_price: float = 0.0
+
+    @property
+    def seconds_search(self) -> float:
+        return sum(r.seconds_search for r in self.rounds)
+
+    @property
+    def seconds_lp(self) -> float:
+        return sum(r.seconds_lp for r in self.rounds)
+
+
+def balance(
+    space: SynthSpace,
+    model: CostModel,
+    *,
+    rounds: int = 4,
+    initial: Vec | None = None,
+    fixed: bool = False,
+    memory: bool = True,
+    solver: str = "cbc",
+    progress: Progress | None = None,
+) -> Balanced:
+    """Alternate synthesis and the ratio LP. ``fixed`` keeps ``initial`` ratios (baselines)."""
+    th = space.theory
+    ratios = initial or model.proportional_ratios()
+    best: Balanced | None = None
+    history: list[Round] = []
+    seen: set[tuple] = set()
+    price = 0.0
+    last_costs: list = []
+    attempts, retries = 0, 0
+    while attempts < max(1, rounds):
+        attempts += 1
+        t0 = time.perf_counter()
+        model.memory_price = price
+        res = synthesize_program(space, model, ratios, progress)
+        model.memory_price = 0.0
+        t1 = time.perf_counter()
+        costs = [[th.triples[k].cost for k in part] for part in res.parts]
+        last_costs = costs
+        search_cost = program_cost(th, model, res.parts, ratios)
+        if fixed:
+            new_ratios, cost = ratios, search_cost
+            if memory:
+                _check_memory(model, costs, ratios)
+        else:
+            try:
+                lp = solve_ratios(model, costs, memory=memory, solver=solver)
+            except InfeasibleError:
+                retries += 1
+                if not memory or retries > 8:
+                    _check_memory(model, costs, ratios)
+                    raise
+                price = price * 10 if price else max(search_cost, 1e-9) * 0.01
+                attempts -= 1  # a memory retry is not a Q/B round
+                continue
+            new_ratios = lp.ratios
+            cost = program_cost(th, model, res.parts, new_ratios)
+        t2 = time.perf_counter()
+        history.append(Round(ratios, search_cost, new_ratios, cost, t1 - t0, t2 - t1))
+        if best is None or cost < best.cost - 1e-12:
+            best = Balanced(res, new_ratios, cost, history, price)
+        key = (tuple(res.triples), tuple(round(r, 9) for r in new_ratios))
+        if fixed or key in seen or max(abs(a - b) for a, b in zip(new_ratios, ratios)) < 1e-9:
+            break
+        seen.add(key)
+        ratios = new_ratios
+    if best is None:
+        _check_memory(model, last_costs, model.proportional_ratios())
+        raise InfeasibleError("no program fits the devices' memory")
+    best.rounds = history
+    return best
+
+
+def _check_memory(model: CostModel, costs, ratios: Vec) -> None:
+    need = [0.0] * len(ratios)
+    for part in costs:
+        for t, m in enumerate(model.memory([c for c in part], ratios)):
+            need[t] += m
+    over = [(dt, n) for dt, n in zip(model.types, need) if n > dt.memory]
+    if over:
+        rows = "; ".join(
+            f"{dt.name}: needs {n / 2**30:.3g} GiB, has {dt.memory / 2**30:.3g} GiB" for dt, n in zip(model.types, need)
+        )
+        raise InfeasibleError(
+            f"the model does not fit the cluster's memory with the best program found ({rows}). "
+            "Add devices or memory, use a smaller batch, or allow sharded parameters (param_comm=True)"
+        )
