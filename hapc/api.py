@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ._util import without_gc
 from .balance.loop import balance
 from .cluster import Cluster
 from .errors import HapcError
@@ -73,6 +74,7 @@ def synthesize(
     )
 
 
+@without_gc
 def synthesize_theory(
     theory: Any,
     cluster: Cluster,

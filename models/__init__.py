@@ -16,6 +16,7 @@ from .bert import bert, moe_block
 from .gpt import gpt
 from .mlp import mlp
 from .vgg import vgg
+from .vit import vit
 
 #: alias -> factory (keyword arguments bound). Paper sizes build on the meta device.
 ZOO: dict[str, Callable[..., Any]] = {
@@ -33,6 +34,8 @@ ZOO: dict[str, Callable[..., Any]] = {
     "gpt-13b": functools.partial(gpt, "13b", batch=1, device="meta"),
     "gpt-39b": functools.partial(gpt, "39b", batch=1, device="meta"),
     "cnn": vgg,
+    "vit": vit,
+    "vit-24": functools.partial(vit, "base", layers=24, batch=64, device="meta"),
     "vgg19": functools.partial(vgg, "vgg19", batch=64, device="meta"),
 }
 
@@ -53,4 +56,4 @@ def load(spec: str, **kwargs: Any) -> tuple[Any, Any]:
     return out
 
 
-__all__ = ["ZOO", "bert", "gpt", "load", "mlp", "moe_block", "vgg"]
+__all__ = ["ZOO", "bert", "gpt", "load", "mlp", "moe_block", "vgg", "vit"]

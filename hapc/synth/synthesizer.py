@@ -26,10 +26,9 @@ Segmentation (``segments=``):
 
 from __future__ import annotations
 
-import hashlib
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import InfeasibleError
 from ..theory.graph import OP
@@ -53,7 +52,7 @@ class Segment:
     tokens_after: frozenset = frozenset()  # tokens that still matter after this segment
     local_needed: dict[int, frozenset] = field(default_factory=dict)  # ... restricted to this segment's tensors
     local_tokens: frozenset = frozenset()
-    signature: str = ""
+    signature: int = -1  # interned structural signature
 
 
 @dataclass
@@ -69,135 +68,6 @@ class SynthResult:
     @property
     def triples(self) -> list[int]:
         return [t for p in self.parts for t in p]
-
-
-class SynthSpace:
-    """Everything about a theory that does not depend on ratios: segments and allowed triples."""
-
-    def __init__(self, theory: Theory, m: int, segments: str = "node", allowed: set[int] | None = None):
-        if segments not in SEGMENTATIONS:
-            raise ValueError(f"segments must be one of {SEGMENTATIONS}, got {segments!r}")
-        self.theory, self.m, self.mode = theory, m, segments
-        self.allowed = shardable_triples(theory, m) if allowed is None else allowed
-        g = theory.graph
-        sources = source_like(g)
-        anchors = [n.index for n in g if n.kind == OP and n.index not in sources]
-        if segments == "node":
-            groups = [[a] for a in anchors]
-        elif segments == "none":
-            groups = [anchors]
-        else:
-            cut_after = {pos for pos, _ in find_cuts(g)}
-            groups, cur = [], []
-            for a in anchors:
-                cur.append(a)
-                if a in cut_after and len(cur) >= 2:
-                    groups.append(cur)
-                    cur = []
-            if cur:
-                groups.append(cur)
-        self.segments = [Segment(i, grp) for i, grp in enumerate(groups)]
-        self._assign(anchors)
-        self._needs()
-        for s in self.segments:
-            s.signature = self._signature(s)
-        # blocks: runs of segments between single-tensor cuts, searched once per distinct block
-        cut_after = {pos for pos, _ in find_cuts(g)}
-        self.blocks: list[list[int]] = [[]]
-        for seg in self.segments:
-            self.blocks[-1].append(seg.index)
-            if seg.anchors[-1] in cut_after:
-                self.blocks.append([])
-        self.blocks = [b for b in self.blocks if b]
-        self.block_signatures = []
-        for b in self.blocks:
-            base = self.segments[b[0]].anchors[0]
-            key = [(self.segments[i].anchors[0] - base, self.segments[i].signature) for i in b]
-            self.block_signatures.append(hashlib.sha256(repr(key).encode()).hexdigest()[:24])
-
-    def _assign(self, anchors: list[int]) -> None:
-        th = self.theory
-        where = {a: s.index for s in self.segments for a in s.anchors}
-        users = defaultdict(set)  # tensor -> segments whose triples need it
-        homes: dict[int, int] = {}
-        for k in sorted(self.allowed):
-            t = th.triples[k]
-            last = t.instrs[-1]
-            if isinstance(last, Collective):
-                continue
-            seg = where.get(last.ref)
-            if seg is None:
-                seg = max((where[p.ref] for p in t.pre if p.ref in where), default=0)
-            homes[k] = seg
-            for p in t.pre:
-                users[p.ref].add(seg)
-        for k in sorted(self.allowed):
-            last = self.theory.triples[k].instrs[-1]
-            if isinstance(last, Collective):
-                # a tensor moves where it is used; with one node per segment every collective is a
-                # stage of its own, so moving it right before its consumer costs the same
-                segs = set(users[last.ref])
-                if last.ref in where and self.mode != "node":
-                    segs.add(where[last.ref])
-                for s in segs:
-                    self.segments[s].triples.append(k)
-            else:
-                self.segments[homes[k]].triples.append(k)
-        for s in self.segments:
-            s.triples.sort()
-
-    def _needs(self) -> None:
-        """For each segment: the layouts of each tensor needed by later segments' triples."""
-        th = self.theory
-        later: dict[int, set] = defaultdict(set)
-        tokens_later: set = set()
-        for s in reversed(self.segments):
-            s.needed_after = {x: frozenset(ls) for x, ls in later.items() if ls}
-            s.tokens_after = frozenset(tokens_later)
-            refs = set(s.anchors)
-            for k in s.triples:
-                t = th.triples[k]
-                refs |= {p.ref for p in t.pre} | {p.ref for p in t.post}
-                for p in t.pre:
-                    later[p.ref].add(p.layout)
-                tokens_later |= {tok for tok in t.tokens if tok[0] in ("comm", "src")}
-            s.local_needed = {x: ls for x, ls in s.needed_after.items() if x in refs}
-            s.local_tokens = frozenset(tok for tok in s.tokens_after if tok[1] in refs)
-
-    def _signature(self, s: Segment) -> str:
-        th = self.theory
-        base = s.anchors[0]
-        h = hashlib.sha256()
-        for k in s.triples:
-            t = th.triples[k]
-            h.update(repr(sorted((p.ref - base, repr(p.layout)) for p in t.pre)).encode())
-            h.update(repr(sorted((p.ref - base, repr(p.layout)) for p in t.post)).encode())
-            h.update(repr([_rel_instr(i, base) for i in t.instrs]).encode())
-            h.update(repr(sorted((a, r - base) for a, r in t.tokens)).encode())
-            h.update(repr(t.cost).encode())
-        h.update(repr(sorted((x - base, tuple(sorted(map(repr, ls)))) for x, ls in s.local_needed.items())).encode())
-        h.update(repr(sorted((a, r - base) for a, r in s.local_tokens)).encode())
-        return h.hexdigest()[:24]
-
-
-def _rel_instr(ins, base: int) -> tuple:
-    d = ins.to_json()
-    d["ref"] = d["ref"] - base
-    return tuple(sorted((k, repr(v)) for k, v in d.items()))
-
-
-def shardable_triples(theory: Theory, m: int) -> set[int]:
-    """Triples whose sharded dims are big enough for every one of ``m`` devices to hold a slice."""
-    ok = set()
-    for k, t in enumerate(theory.triples):
-        props = list(t.pre) + list(t.post)
-        for ins in t.instrs:
-            if isinstance(ins, Compute):
-                node = theory.graph[ins.ref]
-                props += [Prop(o, lay) for o, lay in zip(node.operands, ins.inputs)]
-        if all(not p.layout.is_sharded or theory.atoms(p.ref, p.layout.dim) >= m for p in props if p != DONE):
-            ok.add(k)
-    return ok
 
 
 class _Bits:
@@ -248,37 +118,154 @@ class _SegMasks:
     toks_after: int
 
 
-class _Synth:
-    """One synthesis run: caches of triple times, segment searches and block transfer tables.
+class SynthSpace:
+    """Everything about a theory that does not depend on ratios: segments and allowed triples."""
 
-    DP states are ``(live, tokens)`` bitmasks over all properties / tokens of the theory.
-    """
+    def __init__(self, theory: Theory, m: int, segments: str = "node", allowed: set[int] | None = None):
+        if segments not in SEGMENTATIONS:
+            raise ValueError(f"segments must be one of {SEGMENTATIONS}, got {segments!r}")
+        self.theory, self.m, self.mode = theory, m, segments
+        self.allowed = shardable_triples(theory, m) if allowed is None else allowed
+        g = theory.graph
+        sources = source_like(g)
+        anchors = [n.index for n in g if n.kind == OP and n.index not in sources]
+        if segments == "node":
+            groups = [[a] for a in anchors]
+        elif segments == "none":
+            groups = [anchors]
+        else:
+            cut_after = {pos for pos, _ in find_cuts(g)}
+            groups, cur = [], []
+            for a in anchors:
+                cur.append(a)
+                if a in cut_after and len(cur) >= 2:
+                    groups.append(cur)
+                    cur = []
+            if cur:
+                groups.append(cur)
+        self.segments = [Segment(i, grp) for i, grp in enumerate(groups)]
+        self._assign(anchors)
+        self._needs()
+        ids: dict[tuple, int] = {}  # structural signatures interned to small ints
+        for s in self.segments:
+            s.signature = ids.setdefault(self._signature(s), len(ids))
+        # blocks: runs of segments between single-tensor cuts, searched once per distinct block
+        cut_after = {pos for pos, _ in find_cuts(g)}
+        self.blocks: list[list[int]] = [[]]
+        for seg in self.segments:
+            self.blocks[-1].append(seg.index)
+            if seg.anchors[-1] in cut_after:
+                self.blocks.append([])
+        self.blocks = [b for b in self.blocks if b]
+        self.block_signatures = []
+        for b in self.blocks:
+            base = self.segments[b[0]].anchors[0]
+            key = tuple((self.segments[i].anchors[0] - base, self.segments[i].signature) for i in b)
+            self.block_signatures.append(ids.setdefault(("block", key), len(ids)))
 
-    def __init__(self, space: SynthSpace, model: CostModel, ratios: Vec, progress: Progress | None):
-        self.space, self.model, self.ratios, self.progress = space, model, ratios, progress
-        self.th = th = space.theory
-        self.times: dict[int, object] = {}
-        self.seg_cache: dict[tuple, dict] = {}  # (signature, relative entry) -> exits
-        self.exit_cache: dict[tuple, list] = {}  # (segment, entry masks) -> exits as masks
-        self.block_cache: dict[tuple, dict] = {}
-        self.reps: dict[str, Segment] = {}
-        self.stats = SearchStats()
-        self.searches = 0
-        self.bits = bits = _Bits()
+    def _assign(self, anchors: list[int]) -> None:
+        th = self.theory
+        where = {a: s.index for s in self.segments for a in s.anchors}
+        users = defaultdict(set)  # tensor -> segments whose triples need it
+        homes: dict[int, int] = {}
+        for k in sorted(self.allowed):
+            t = th.triples[k]
+            last = t.instrs[-1]
+            if isinstance(last, Collective):
+                continue
+            seg = where.get(last.ref)
+            if seg is None:
+                seg = max((where[p.ref] for p in t.pre if p.ref in where), default=0)
+            homes[k] = seg
+            for p in t.pre:
+                users[p.ref].add(seg)
+        for k in sorted(self.allowed):
+            last = self.theory.triples[k].instrs[-1]
+            if isinstance(last, Collective):
+                # a tensor moves where it is used; with one node per segment every collective is a
+                # stage of its own, so moving it right before its consumer costs the same
+                segs = set(users[last.ref])
+                if last.ref in where and self.mode != "node":
+                    segs.add(where[last.ref])
+                for s in segs:
+                    self.segments[s].triples.append(k)
+            else:
+                self.segments[homes[k]].triples.append(k)
+        for s in self.segments:
+            s.triples.sort()
+
+    def _needs(self) -> None:
+        """For each segment: the layouts of each tensor *crossing* its end that later segments need,
+        and the tokens that still matter. Only tensors alive across a cut are recorded, so the
+        work is proportional to the sum of the cut sizes, not quadratic in the graph."""
+        th = self.theory
+        uses: dict[int, dict[int, set]] = defaultdict(lambda: defaultdict(set))  # tensor -> seg -> layouts
+        tok_uses: dict[tuple, set[int]] = defaultdict(set)
+        first: dict[int, int] = {}
+        refs_of: list[set[int]] = []
+        for s in self.segments:
+            refs = set(s.anchors)
+            for a in s.anchors:
+                first.setdefault(a, s.index)
+            for k in s.triples:
+                t = th.triples[k]
+                for p in t.pre:
+                    uses[p.ref][s.index].add(p.layout)
+                    first[p.ref] = min(first.get(p.ref, s.index), s.index)
+                for p in t.post:
+                    first[p.ref] = min(first.get(p.ref, s.index), s.index)
+                refs |= {p.ref for p in t.pre} | {p.ref for p in t.post}
+                for tok in t.tokens:
+                    if tok[0] in ("comm", "src"):
+                        tok_uses[tok].add(s.index)
+            refs_of.append(refs)
+            s.needed_after, s.tokens_after = {}, frozenset()
+        for x, by_seg in uses.items():
+            segs = sorted(by_seg)
+            suffix: set = set()
+            later: dict[int, frozenset] = {}
+            for seg in reversed(segs):
+                later[seg] = frozenset(suffix)
+                suffix |= by_seg[seg]
+            start = first.get(x, segs[0])
+            pos = 0
+            need = frozenset(suffix)  # layouts needed from the start on
+            for si in range(start, segs[-1]):
+                while pos < len(segs) and segs[pos] <= si:
+                    need = later[segs[pos]]
+                    pos += 1
+                if need:
+                    self.segments[si].needed_after[x] = need
+        tok_after: dict[int, set] = defaultdict(set)
+        for tok, segs in tok_uses.items():
+            for si in range(min(segs), max(segs)):
+                tok_after[si].add(tok)
+        for s in self.segments:
+            s.tokens_after = frozenset(tok_after.get(s.index, ()))
+            refs = refs_of[s.index]
+            s.local_needed = {x: ls for x, ls in s.needed_after.items() if x in refs}
+            s.local_tokens = frozenset(tok for tok in s.tokens_after if tok[1] in refs)
+
+    def state_bits(self) -> tuple[_Bits, list[_SegMasks]]:
+        """Bit numbering of every property / token a DP state can hold, and per-segment masks
+        (ratio-independent, built once per space)."""
+        if getattr(self, "_state_bits", None) is not None:
+            return self._state_bits
+        bits = _Bits()
         bits.p(DONE)
         by_ref: dict[int, int] = defaultdict(int)
         tok_by_ref: dict[int, int] = defaultdict(int)
-        for t in th.triples:
-            for pr in (*t.pre, *t.post):
-                by_ref[pr.ref] |= bits.p(pr)
-            for tok in t.tokens:
+        for s in self.segments:
+            for x, ls in s.needed_after.items():
+                for lay in ls:
+                    by_ref[x] |= bits.p(Prop(x, lay))
+            for tok in s.tokens_after:
                 tok_by_ref[tok[1]] |= bits.t(tok)
-        self.masks = []
-        for seg in space.segments:
-            refs = {p.ref for k in seg.triples for p in th.triples[k].pre} | set(seg.anchors)
-            refs |= {r for k in seg.triples for _, r in th.triples[k].tokens}
-            touched = 0
-            ttoks = 0
+        masks = []
+        for seg in self.segments:
+            refs = {p.ref for k in seg.triples for p in self.theory.triples[k].pre} | set(seg.anchors)
+            refs |= {r for k in seg.triples for _, r in self.theory.triples[k].tokens}
+            touched = ttoks = 0
             for r in refs:
                 touched |= by_ref.get(r, 0)
                 ttoks |= tok_by_ref.get(r, 0)
@@ -289,7 +276,63 @@ class _Synth:
             after = 0
             for tok in seg.tokens_after:
                 after |= bits.t(tok)
-            self.masks.append(_SegMasks(touched, ttoks, needed, after))
+            masks.append(_SegMasks(touched, ttoks, needed, after))
+        self._state_bits = (bits, masks)
+        return self._state_bits
+
+    def _signature(self, s: Segment) -> tuple:
+        """Structure of a segment relative to its first node: equal signatures, equal searches.
+        (A hashable value; a segment's triples, costs, and what it must leave behind.)"""
+        th = self.theory
+        base = s.anchors[0]
+        parts = []
+        for k in s.triples:
+            t = th.triples[k]
+            parts.append(
+                (
+                    frozenset((p.ref - base, p.layout) for p in t.pre),
+                    frozenset((p.ref - base, p.layout) for p in t.post),
+                    tuple(replace(i, ref=i.ref - base) for i in t.instrs),
+                    frozenset((a, r - base) for a, r in t.tokens),
+                    t.cost,
+                )
+            )
+        needed = frozenset((x - base, ls) for x, ls in s.local_needed.items())
+        tokens = frozenset((a, r - base) for a, r in s.local_tokens)
+        return (len(s.anchors), tuple(parts), needed, tokens)
+
+
+def shardable_triples(theory: Theory, m: int) -> set[int]:
+    """Triples whose sharded dims are big enough for every one of ``m`` devices to hold a slice."""
+    ok = set()
+    for k, t in enumerate(theory.triples):
+        props = list(t.pre) + list(t.post)
+        for ins in t.instrs:
+            if isinstance(ins, Compute):
+                node = theory.graph[ins.ref]
+                props += [Prop(o, lay) for o, lay in zip(node.operands, ins.inputs)]
+        if all(not p.layout.is_sharded or theory.atoms(p.ref, p.layout.dim) >= m for p in props if p != DONE):
+            ok.add(k)
+    return ok
+
+
+class _Synth:
+    """One synthesis run: caches of triple times, segment searches and block transfer tables.
+
+    DP states are ``(live, tokens)`` bitmasks over all properties / tokens of the theory.
+    """
+
+    def __init__(self, space: SynthSpace, model: CostModel, ratios: Vec, progress: Progress | None):
+        self.space, self.model, self.ratios, self.progress = space, model, ratios, progress
+        self.th = space.theory
+        self.times: dict[int, object] = {}
+        self.seg_cache: dict[tuple, dict] = {}  # (signature, relative entry) -> exits
+        self.exit_cache: dict[tuple, list] = {}  # (segment, entry masks) -> exits as masks
+        self.block_cache: dict[tuple, dict] = {}
+        self.reps: dict[int, Segment] = {}
+        self.stats = SearchStats()
+        self.searches = 0
+        self.bits, self.masks = space.state_bits()
         counts = defaultdict(int)
         for sig in space.block_signatures:
             counts[sig] += 1
@@ -466,6 +509,13 @@ def _explore(th, rep: Segment, base: int, rel_enter, rel_tokens, time_of, model,
             frozenset((a, r - base) for a, r in toks if (a, r) in rep.local_tokens),
         )
 
+    if not rep.local_needed and not rep.local_tokens:
+        # nothing to leave behind but the loss: plain A* with its early stop (HAP Fig. 10)
+        found = search.run({"done": frozenset({DONE})})
+        stats.add(search.stats)
+        done = found.get("done")
+        key = (frozenset({(DONE.ref - base, DONE.layout)}), frozenset())
+        return {key: (done.cost, done.triples)} if done else {}
     found = search.explore(exit_key)
     stats.add(search.stats)
     return {key: (f.cost, f.triples) for key, f in found.items()}

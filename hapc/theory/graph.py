@@ -95,6 +95,9 @@ class RefNode:
     @property
     def operands(self) -> list[int]:
         """Indices of the tensor operands, in order of appearance in args then kwargs."""
+        cached = self.__dict__.get("_operands")
+        if cached is not None:
+            return cached
         return [r.index for r in iter_refs((self.args, tuple(self.kwargs.values())))]
 
     @property
@@ -147,6 +150,8 @@ class RefGraph:
         self.input_names = input_names
         for n in nodes:
             n.users = []
+            n.__dict__.pop("_operands", None)
+            n.__dict__["_operands"] = n.operands  # the graph is final: compute once
         for n in nodes:
             for o in dict.fromkeys(n.operands):
                 nodes[o].users.append(n.index)

@@ -18,12 +18,14 @@ backward cost in the theory follows from this one rule.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class Layout:
-    """Placement of one distributed tensor: ``R``, ``S(d)`` or ``P`` (plus the internal goal ``done``)."""
+class Layout(NamedTuple):
+    """Placement of one distributed tensor: ``R``, ``S(d)`` or ``P`` (plus the internal goal ``done``).
+
+    (A named tuple: properties are hashed millions of times during synthesis.)
+    """
 
     kind: str
     dim: int = -1
@@ -75,8 +77,7 @@ def shard(dim: int) -> Layout:
     return _SHARDS[dim] if 0 <= dim < len(_SHARDS) else Layout("S", dim)
 
 
-@dataclass(frozen=True, slots=True)
-class Prop:
+class Prop(NamedTuple):
     """``ref | layout``: some distributed tensor in the program relates to reference node ``ref``."""
 
     ref: int

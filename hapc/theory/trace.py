@@ -28,7 +28,9 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from .._util import without_gc
 from ..errors import TraceError
+from .flops import contraction_flops
 from .graph import BUFFER, INPUT, OP, PARAM, Ref, RefGraph, RefNode, TensorMeta, iter_refs
 from .normalize import NORMALISERS, normalise_modules
 from .opnames import canonical_name, qualified_name
@@ -144,12 +146,17 @@ class _Tracer(fx.Tracer):
             return v
 
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), val)
-        with torch.device("meta"), _unpatched_modules():
+        with torch.device("meta"):
             if node.op == "call_function":
                 return node.target(*args, **kwargs)
             if node.op == "call_method":
                 return getattr(args[0], node.target)(*args[1:], **kwargs)
-            return _call_leaf(_raw_attr(self.root, node.target), args, kwargs)
+            mod = _raw_attr(self.root, node.target)
+            fast = _fast_leaf_value(mod, args, kwargs)
+            if fast is not None:
+                return fast
+            with _unpatched_modules():
+                return _call_leaf(mod, args, kwargs)
 
 
 _MODULE_CALL, _MODULE_GETATTR = nn.Module.__call__, nn.Module.__getattr__
@@ -173,6 +180,7 @@ def _example_device(example_inputs: Any) -> torch.device:
     return next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
 
 
+@without_gc
 def trace(
     model: nn.Module,
     example_inputs: Sequence[Any] | dict[str, Any],
@@ -327,15 +335,16 @@ def _propagate(gm: fx.GraphModule, model: nn.Module, example_inputs: Any) -> tup
                     env[node] = load(node.args[0])
                 else:
                     args, kwargs = load(node.args), load(node.kwargs)
-                    with FlopCounterMode(display=False) as counter:
-                        if node.op == "call_function":
-                            out = node.target(*args, **kwargs)
-                        elif node.op == "call_method":
-                            out = getattr(args[0], node.target)(*args[1:], **kwargs)
-                        else:
-                            out = _call_leaf(gm.get_submodule(node.target), args, kwargs)
+                    if node.meta.get("hapc_val", _MISSING) is not _MISSING:
+                        out = node.meta["hapc_val"]  # computed while tracing
+                    elif node.op == "call_function":
+                        out = node.target(*args, **kwargs)
+                    elif node.op == "call_method":
+                        out = getattr(args[0], node.target)(*args[1:], **kwargs)
+                    else:
+                        out = _call_leaf(gm.get_submodule(node.target), args, kwargs)
                     env[node] = out
-                    flops[node] = float(counter.get_total_flops())
+                    flops[node] = _flops(node, args, kwargs, out)
             except TraceError:
                 raise
             except Exception as exc:
@@ -348,9 +357,39 @@ def _propagate(gm: fx.GraphModule, model: nn.Module, example_inputs: Any) -> tup
     return env, flops
 
 
+_SAME_SHAPE = (
+    nn.LayerNorm, nn.Dropout, nn.Identity, nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU,
+    nn.ELU, nn.Softplus, nn.Hardswish, nn.Mish, nn.ReLU6, nn.Softmax, nn.LogSoftmax,
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
+)  # fmt: skip
+
+
+def _fast_leaf_value(mod: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """The output (shape and dtype) of the commonest leaf modules without calling them: tracing
+    only needs it for Python-level shape queries, and calling modules under fx is slow."""
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, torch.Tensor) or len(args) > 1:
+        return None
+    if isinstance(mod, _SAME_SHAPE) and not getattr(mod, "inplace", False):
+        return torch.empty(x.shape, dtype=x.dtype, device="meta")
+    if type(mod) is nn.Linear and x.dim() >= 1 and x.shape[-1] == mod.in_features:
+        return torch.empty((*x.shape[:-1], mod.out_features), dtype=x.dtype, device="meta")
+    return None
+
+
+def _flops(node: fx.Node, args: tuple, kwargs: dict, out: Any) -> float:
+    if node.op == "call_module":
+        with FlopCounterMode(display=False) as counter:  # a user's leaf module: count it for real
+            _call_leaf(node.graph.owning_module.get_submodule(node.target), args, kwargs)
+        return float(counter.get_total_flops())
+    return contraction_flops(canonical_name(node.target, node.op == "call_method"), args, kwargs, out)
+
+
 def _call_leaf(mod: nn.Module, args: tuple, kwargs: dict) -> Any:
-    state = {k: _to_meta(v) for k, v in {**dict(mod.named_parameters()), **dict(mod.named_buffers())}.items()}
-    return torch.func.functional_call(mod, state, args, kwargs)
+    state = {**dict(mod.named_parameters()), **dict(mod.named_buffers())}
+    if all(v.device.type == "meta" for v in state.values()):
+        return _MODULE_CALL(mod, *args, **kwargs)  # already shapes only: no swapping needed
+    return torch.func.functional_call(mod, {k: _to_meta(v) for k, v in state.items()}, args, kwargs)
 
 
 # --------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
+from .._util import without_gc
 from ..errors import UnsupportedOpError, UnsupportedOpWarning
 from .cost import Comm, CostProfile, Linear
 from .granularity import Granularity, Key
@@ -43,6 +44,15 @@ from .props import DONE, PARTIAL, REPLICATED, Layout, Prop
 from .registry import OpView, Registry, default_registry
 from .strategy import OUT, Strategy
 from .trace import backward_work
+
+#: Ops whose result aliases its input (no new activation memory).
+VIEW_OPS = frozenset(
+    {
+        "view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "unsqueeze", "transpose",
+        "permute", "t", "movedim", "expand", "expand_as", "broadcast_to", "select", "narrow", "getitem",
+        "detach", "alias", "view_as", "reshape_as", "ravel", "contiguous",
+    }
+)  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False)
@@ -164,6 +174,7 @@ class Theory:
         return f"{{{pre}}} {body} {{{post}}}"
 
 
+@without_gc
 def derive(
     graph: RefGraph,
     *,
@@ -247,7 +258,8 @@ class _Builder:
             fwd_f, bwd_f = s.flops
         else:
             fwd_f, bwd_f = Linear.split(n.flops, scaled), Linear.split(bwd_flops, scaled)
-        act = Linear.split(n.meta.nbytes, s.output.is_sharded) if n.requires_grad else Linear()
+        saved = n.requires_grad and n.op not in VIEW_OPS  # views share their input's storage
+        act = Linear.split(n.meta.nbytes, s.output.is_sharded) if saved else Linear()
         cost = CostProfile(
             fwd_flops=fwd_f,
             bwd_flops=bwd_f,
@@ -431,12 +443,43 @@ def _static_nodes(g: RefGraph) -> set[int]:
 
 
 def _prune(triples: list[Triple]) -> list[Triple]:
-    """Drop triples that can never fire or whose results nobody needs (to a fixpoint)."""
-    while True:
-        produced = {p for t in triples for p in t.post}
-        live = [t for t in triples if t.pre <= produced]
-        needed = {p for t in live for p in t.pre} | {DONE}
-        live = [t for t in live if t.post & needed]
-        if len(live) == len(triples):
-            return live
-        triples = live
+    """Keep the triples that can fire (forward reachability from the empty program) and whose
+    results lead to the loss (backward from ``Done``). One pass each reaches the fixpoint: every
+    property a kept triple needs is needed, and its reachable producers are kept."""
+    waiting: dict[Prop, list[int]] = defaultdict(list)
+    missing = [len(t.pre) for t in triples]
+    for k, t in enumerate(triples):
+        for p in t.pre:
+            waiting[p].append(k)
+    fired = [False] * len(triples)
+    produced: set[Prop] = set()
+    queue = [k for k, n in enumerate(missing) if n == 0]
+    while queue:
+        k = queue.pop()
+        if fired[k]:
+            continue
+        fired[k] = True
+        for p in triples[k].post:
+            if p not in produced:
+                produced.add(p)
+                for u in waiting[p]:
+                    missing[u] -= 1
+                    if missing[u] == 0:
+                        queue.append(u)
+    by_post: dict[Prop, list[int]] = defaultdict(list)
+    for k, t in enumerate(triples):
+        if fired[k]:
+            for p in t.post:
+                by_post[p].append(k)
+    kept = [False] * len(triples)
+    needed, stack = {DONE}, [DONE]
+    while stack:
+        p = stack.pop()
+        for k in by_post[p]:
+            if not kept[k]:
+                kept[k] = True
+                for q in triples[k].pre:
+                    if q not in needed:
+                        needed.add(q)
+                        stack.append(q)
+    return [t for k, t in enumerate(triples) if kept[k]]
