@@ -197,13 +197,25 @@ class Plan:
 
     # -- printing ---------------------------------------------------------------------------------
     def describe_program(self) -> list[str]:
-        """One line per instruction, grouped by segment, with layouts."""
+        """One line per instruction, grouped by segment (each segment starts fresh stages), with
+        layouts, and each segment's predicted forward / backward time split into collectives and
+        compute."""
         lines = []
         names = self.node_names
+        by_seg: dict[int, list[PlanStage]] = {}
+        for st in self.stages:
+            by_seg.setdefault(st.segment, []).append(st)
         for si, seg in enumerate(self.program):
             if not seg:
                 continue
-            lines.append(f"segment {si}:")
+            times = []
+            for d, short in (("forward", "fwd"), ("backward", "bwd"), ("gradients", "grad")):
+                ss = [st for st in by_seg.get(si, []) if st.direction == d]
+                comm = sum(st.comm for st in ss)
+                comp = sum(max(st.comp, default=0.0) for st in ss)
+                if comm or comp:
+                    times.append(f"{short} {comm * 1e3:.3g}+{comp * 1e3:.3g} ms")
+            lines.append(f"stage group {si}" + (f" [{'; '.join(times)} (comm+compute)]" if times else "") + ":")
             for triple in seg:
                 for ins in triple:
                     lines.append("  " + _describe(ins, names.get(ins.ref, f"%{ins.ref}")))

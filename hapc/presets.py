@@ -1,8 +1,9 @@
 """Clusters from the papers, loadable by name (``Cluster.load("hap-testbed")``).
 
 Flop rates are *sustained* matmul rates for the papers' dtypes (about half of the datasheet
-peak, the usual ratio for large GEMMs plus surrounding memory-bound work); each preset says
-where its numbers come from. ``local-cpu:N`` describes this machine's N CPU processes for the
+peak, the usual ratio for large GEMMs plus surrounding memory-bound work) and memory bandwidths
+are the datasheet HBM/GDDR figures (element-wise ops are charged bytes / bandwidth); each preset
+says where its numbers come from. ``local-cpu:N`` describes this machine's N CPU processes for the
 end-to-end demo: gloo over loopback; ``hapc profile`` replaces guesses by measurements.
 """
 
@@ -22,9 +23,27 @@ def _hap_testbed(arg: str | None) -> dict[str, Any]:
     n = int(arg) if arg else 64
     v100 = min(n, 16)
     p100 = n - v100
-    groups = [{"name": "v100", "devices": v100, "devices_per_host": 8, "flops": 14e12, "memory": "16 GB"}]
+    groups = [
+        {
+            "name": "v100",
+            "devices": v100,
+            "devices_per_host": 8,
+            "flops": 14e12,
+            "memory": "16 GB",
+            "mem_bandwidth": "900 GB/s",
+        }
+    ]
     if p100:
-        groups.append({"name": "p100", "devices": p100, "devices_per_host": 8, "flops": 9e12, "memory": "16 GB"})
+        groups.append(
+            {
+                "name": "p100",
+                "devices": p100,
+                "devices_per_host": 8,
+                "flops": 9e12,
+                "memory": "16 GB",
+                "mem_bandwidth": "732 GB/s",
+            }
+        )
     return {
         "name": f"hap-testbed-{n}",
         "group": groups,
@@ -39,7 +58,16 @@ def _hap_homogeneous(arg: str | None) -> dict[str, Any]:
     # HAP §7.3: the homogeneous subset, 4 hosts x 8 P100.
     return {
         "name": "hap-p100-32",
-        "group": [{"name": "p100", "devices": 32, "devices_per_host": 8, "flops": 9e12, "memory": "16 GB"}],
+        "group": [
+            {
+                "name": "p100",
+                "devices": 32,
+                "devices_per_host": 8,
+                "flops": 9e12,
+                "memory": "16 GB",
+                "mem_bandwidth": "732 GB/s",
+            }
+        ],
         "links": {
             "intra_host": {"bandwidth": "10 GB/s", "latency": "10 us"},
             "inter_host": {"bandwidth": "10.4 Gbps", "latency": "50 us"},
@@ -54,8 +82,22 @@ def _harp1(arg: str | None) -> dict[str, Any]:
     return {
         "name": "harp-setting1",
         "group": [
-            {"name": "a100", "devices": 32, "devices_per_host": 8, "flops": 156e12, "memory": "40 GB"},
-            {"name": "v100e", "devices": 32, "devices_per_host": 8, "flops": 62e12, "memory": "32 GB"},
+            {
+                "name": "a100",
+                "devices": 32,
+                "devices_per_host": 8,
+                "flops": 156e12,
+                "memory": "40 GB",
+                "mem_bandwidth": "1.5 TB/s",
+            },
+            {
+                "name": "v100e",
+                "devices": 32,
+                "devices_per_host": 8,
+                "flops": 62e12,
+                "memory": "32 GB",
+                "mem_bandwidth": "900 GB/s",
+            },
         ],
         "links": {
             "intra_host": {"bandwidth": "150 GB/s", "latency": "5 us"},
@@ -71,8 +113,22 @@ def _harp2(arg: str | None) -> dict[str, Any]:
     return {
         "name": "harp-setting2",
         "group": [
-            {"name": "v100", "devices": 8, "devices_per_host": 8, "flops": 62e12, "memory": "16 GB"},
-            {"name": "a100", "devices": 4, "devices_per_host": 2, "flops": 156e12, "memory": "40 GB"},
+            {
+                "name": "v100",
+                "devices": 8,
+                "devices_per_host": 8,
+                "flops": 62e12,
+                "memory": "16 GB",
+                "mem_bandwidth": "900 GB/s",
+            },
+            {
+                "name": "a100",
+                "devices": 4,
+                "devices_per_host": 2,
+                "flops": 156e12,
+                "memory": "40 GB",
+                "mem_bandwidth": "1.5 TB/s",
+            },
         ],
         "links": {
             "intra_host": {"bandwidth": "32 GB/s", "latency": "5 us"},
@@ -88,9 +144,30 @@ def _harp3(arg: str | None) -> dict[str, Any]:
     return {
         "name": "harp-setting3",
         "group": [
-            {"name": "v100", "devices": 8, "devices_per_host": 8, "flops": 62e12, "memory": "16 GB"},
-            {"name": "v100e", "devices": 2, "devices_per_host": 2, "flops": 62e12, "memory": "32 GB"},
-            {"name": "a100", "devices": 2, "devices_per_host": 2, "flops": 156e12, "memory": "40 GB"},
+            {
+                "name": "v100",
+                "devices": 8,
+                "devices_per_host": 8,
+                "flops": 62e12,
+                "memory": "16 GB",
+                "mem_bandwidth": "900 GB/s",
+            },
+            {
+                "name": "v100e",
+                "devices": 2,
+                "devices_per_host": 2,
+                "flops": 62e12,
+                "memory": "32 GB",
+                "mem_bandwidth": "900 GB/s",
+            },
+            {
+                "name": "a100",
+                "devices": 2,
+                "devices_per_host": 2,
+                "flops": 156e12,
+                "memory": "40 GB",
+                "mem_bandwidth": "1.5 TB/s",
+            },
         ],
         "links": {
             "intra_host": {"bandwidth": "32 GB/s", "latency": "5 us"},
@@ -109,8 +186,22 @@ def _metis(arg: str | None) -> dict[str, Any]:
     return {
         "name": "metis-t4v100",
         "group": [
-            {"name": "v100", "devices": 8, "devices_per_host": 4, "flops": 62e12, "memory": "16 GB"},
-            {"name": "t4", "devices": 8, "devices_per_host": 4, "flops": 32e12, "memory": "16 GB"},
+            {
+                "name": "v100",
+                "devices": 8,
+                "devices_per_host": 4,
+                "flops": 62e12,
+                "memory": "16 GB",
+                "mem_bandwidth": "900 GB/s",
+            },
+            {
+                "name": "t4",
+                "devices": 8,
+                "devices_per_host": 4,
+                "flops": 32e12,
+                "memory": "16 GB",
+                "mem_bandwidth": "320 GB/s",
+            },
         ],
         "links": {
             "intra_host": {"bandwidth": "16 GB/s", "latency": "5 us"},
@@ -127,10 +218,26 @@ def _local_cpu(arg: str | None) -> dict[str, Any]:
     if n < 1:
         raise ClusterError("local-cpu:N needs N >= 1")
     fast = (n + 1) // 2
-    groups = [{"name": "fast", "devices": fast, "devices_per_host": fast, "flops": 2e10, "memory": "4 GiB"}]
+    groups = [
+        {
+            "name": "fast",
+            "devices": fast,
+            "devices_per_host": fast,
+            "flops": 2e10,
+            "memory": "4 GiB",
+            "mem_bandwidth": "8 GB/s",
+        }
+    ]
     if n - fast:
         groups.append(
-            {"name": "slow", "devices": n - fast, "devices_per_host": n - fast, "flops": 1e10, "memory": "4 GiB"}
+            {
+                "name": "slow",
+                "devices": n - fast,
+                "devices_per_host": n - fast,
+                "flops": 1e10,
+                "memory": "4 GiB",
+                "mem_bandwidth": "4 GB/s",
+            }
         )
     return {
         "name": f"local-cpu-{n}",

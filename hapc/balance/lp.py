@@ -48,6 +48,18 @@ def solve_ratios(
         st, g = model.linear_stages(part)
         stages += st
         grad += g
+    # Identical stages (repeated layers) become one row with a multiplicity; stages without a
+    # ratio-dependent term are constants.
+    rows: dict[tuple, int] = {}
+    constant = 0.0
+    for st in stages:
+        if not st.comm_max and not any(st.comp_slope):
+            constant += st.comm_const + max(st.comp_const, default=0.0)
+            continue
+        key = (st.comm_const, st.comm_max, tuple(st.comp_const), tuple(st.comp_slope))
+        rows[key] = rows.get(key, 0) + 1
+    stages = [LinearStage(k[0], k[1], list(k[2]), list(k[3])) for k in rows]
+    mult = list(rows.values())
     # Times can be microseconds: solvers' absolute tolerances (~1e-7) would see them as zero, so
     # the rows are scaled to O(1): times by the largest coefficient, ratios by the device count.
     scale = max([1e-300] + [abs(x) for s in stages for x in (s.comm_max, *s.comp_const, *s.comp_slope)])
@@ -57,7 +69,7 @@ def solve_ratios(
     b = [var(f"B_{t}") for t in range(nt)]  # m * B_t
     mx = var("M")
     z = [var(f"z_{i}") for i in range(len(stages))]
-    prob += pulp.lpSum((s.comm_max / (scale * m)) * mx + z[i] for i, s in enumerate(stages))
+    prob += pulp.lpSum(c * ((s.comm_max / (scale * m)) * mx + z[i]) for i, (s, c) in enumerate(zip(stages, mult)))
     prob += pulp.lpSum(c * b[t] for t, c in enumerate(model.counts)) == float(m)
     for t in range(nt):
         prob += mx >= b[t]
@@ -80,12 +92,15 @@ def solve_ratios(
     total = sum(c * r for c, r in zip(model.counts, ratios))
     ratios = tuple(r / total for r in ratios)
     objective = sum(
-        s.comm_const
-        + s.comm_max * max(ratios)
-        + max((a + k * r for a, k, r in zip(s.comp_const, s.comp_slope, ratios)), default=0.0)
-        for s in stages
+        c
+        * (
+            s.comm_const
+            + s.comm_max * max(ratios)
+            + max((a + k * r for a, k, r in zip(s.comp_const, s.comp_slope, ratios)), default=0.0)
+        )
+        for s, c in zip(stages, mult)
     )
-    return LPResult(ratios, objective + grad, name)
+    return LPResult(ratios, objective + constant + grad, name)
 
 
 def _variable_factory(prob: pulp.LpProblem):

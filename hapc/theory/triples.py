@@ -28,6 +28,7 @@ Triples whose precondition can never hold, or whose postcondition nobody needs, 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import warnings
 from collections import defaultdict
@@ -38,7 +39,7 @@ from .._util import without_gc
 from ..errors import UnsupportedOpError, UnsupportedOpWarning
 from .cost import Comm, CostProfile, Linear
 from .granularity import Granularity, Key
-from .graph import BUFFER, INPUT, OP, PARAM, RefGraph, RefNode
+from .graph import BUFFER, INPUT, OP, PARAM, RefGraph, RefNode, map_refs
 from .instructions import COLLECTIVES, Collective, Compute, Instruction, Loss, Source
 from .props import DONE, PARTIAL, REPLICATED, Layout, Prop
 from .registry import OpView, Registry, default_registry
@@ -101,14 +102,22 @@ class Theory:
     raw_counts: dict[str, int]
     unsupported: list[str] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        self.consumers: dict[Prop, list[int]] = defaultdict(list)
-        self.producers: dict[Prop, list[int]] = defaultdict(list)
+    @functools.cached_property
+    def consumers(self) -> dict[Prop, list[int]]:
+        """Property -> indices of the triples needing it (what dead-property detection scans)."""
+        out: dict[Prop, list[int]] = defaultdict(list)
         for i, t in enumerate(self.triples):
             for p in t.pre:
-                self.consumers[p].append(i)
+                out[p].append(i)
+        return out
+
+    @functools.cached_property
+    def producers(self) -> dict[Prop, list[int]]:
+        out: dict[Prop, list[int]] = defaultdict(list)
+        for i, t in enumerate(self.triples):
             for p in t.post:
-                self.producers[p].append(i)
+                out[p].append(i)
+        return out
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -209,10 +218,39 @@ class _Builder:
         self.strategies: dict[int, list[Strategy]] = {}
         self.gran = Granularity()
         self.static = _static_nodes(graph)
+        self._strategy_cache: dict[tuple | None, list[Strategy]] = {}
         self.unsupported: list[str] = []
 
     # -- per-node strategies -------------------------------------------------------------------
     def node_strategies(self, n: RefNode) -> list[Strategy]:
+        """Strategies of a node; nodes alike in every way a rule can see (op, shapes, constants,
+        operand kinds and users) share one evaluation -- the repeated layers of a model."""
+        key = self._strategy_key(n)
+        hit = self._strategy_cache.get(key)
+        if hit is None:
+            hit = self._strategy_cache[key] = self._node_strategies(n)
+        return hit
+
+    def _strategy_key(self, n: RefNode) -> tuple | None:
+        g = self.g
+        try:
+            args = map_refs((n.args, n.kwargs), lambda r: ("ref", r.index - n.index))
+            ops = tuple((g[o].kind, g[o].meta, len(g[o].users), g[o].requires_grad) for o in n.operands)
+            key = (
+                n.op,
+                n.target if not n.is_method else n.target,
+                n.meta,
+                n.out_index,
+                n.requires_grad,
+                repr(args),
+                ops,
+            )
+            hash(key)
+            return key
+        except TypeError:  # an unhashable constant: no sharing
+            return ("node", n.index)
+
+    def _node_strategies(self, n: RefNode) -> list[Strategy]:
         from .sfb import sfb_strategies
 
         ops = n.operands
