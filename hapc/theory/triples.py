@@ -238,7 +238,7 @@ class _Builder:
             ops = tuple((g[o].kind, g[o].meta, len(g[o].users), g[o].requires_grad) for o in n.operands)
             key = (
                 n.op,
-                n.target if not n.is_method else n.target,
+                n.target,
                 n.meta,
                 n.out_index,
                 n.requires_grad,
