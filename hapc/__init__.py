@@ -10,7 +10,7 @@ The public API. Everything not listed in ``__all__`` is internal.
 from __future__ import annotations
 
 from . import ops
-from .api import synthesize
+from .api import compile, synthesize
 from .cluster import Cluster
 from .errors import (
     ClusterError,
@@ -83,6 +83,7 @@ __all__ = [
     "UnsupportedOpError",
     "UnsupportedOpWarning",
     "__version__",
+    "compile",
     "custom_op",
     "derive",
     "ops",

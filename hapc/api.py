@@ -165,3 +165,76 @@ def synthesize_theory(
     plan._theory = theory  # type: ignore[attr-defined]  # kept in memory for codegen, never saved
     plan._parts = best.result.parts  # type: ignore[attr-defined]
     return plan
+
+
+def compile(  # noqa: A001 - mirrors torch.compile's name on purpose
+    model: torch.nn.Module,
+    cluster: Cluster | str,
+    example_inputs: Any,
+    plan: Plan | str | None = None,
+    *,
+    group: Any = None,
+    device: Any = None,
+    **options: Any,
+) -> Any:
+    """This rank's part of ``model`` under ``plan`` (synthesized here when not given).
+
+    Call under an initialised process group (e.g. ``torchrun``); every rank calls it with the
+    same model (same initial weights) and example inputs. Rank 0 synthesizes and sends the plan to
+    the others as JSON. The returned module takes the model's inputs -- the global batch, or this
+    rank's share of it -- and returns the loss; use it with any ``torch.optim`` optimizer.
+
+    Raises:
+        HapcError: no process group, or the world size does not match the plan / cluster.
+        PlanError: the plan was made for another model or cluster.
+    """
+    import torch.distributed as dist
+
+    from .codegen.module import CompiledModule
+    from .theory import derive, trace
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise HapcError(
+            "hapc.compile runs inside a distributed job: start it with torchrun (or call "
+            "torch.distributed.init_process_group first); for planning alone use hapc.synthesize"
+        )
+    cluster = Cluster.load(cluster) if not isinstance(cluster, Cluster) else cluster
+    world = dist.get_world_size(group)
+    if isinstance(plan, str):
+        plan = Plan.load(plan)
+    if plan is None and cluster.num_devices != world and cluster.virtual == "gpu":
+        raise HapcError(
+            f"cluster {cluster.name!r} has {cluster.num_devices} devices but the job has {world} processes; "
+            f"start {cluster.num_devices} processes or describe the {world} you have"
+        )
+    graph = trace(model, example_inputs)
+    opts = dict(plan.options) if plan is not None else {}
+    theory_opts = {k: opts.get(k, options.get(k, d)) for k, d in (("sfb", True), ("param_comm", False), ("strict", False))}
+    variants = tuple(opts.get("variants", options.get("variants", ("padded", "grouped"))))
+    theory = derive(graph, variants=variants, **theory_opts)
+    if plan is None:
+        plan = _agree_on_plan(theory, cluster, group, options)
+    plan.check(graph=graph, cluster=cluster, world_size=world)
+    return CompiledModule(model, theory, plan, group=group, device=device)
+
+
+def _agree_on_plan(theory: Any, cluster: Cluster, group: Any, options: dict[str, Any]) -> Plan:
+    """Rank 0 synthesizes; everyone receives the same plan as JSON bytes (never pickle)."""
+    import json
+
+    import torch.distributed as dist
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    if dist.get_rank(group) == 0:
+        synth_opts = {k: v for k, v in options.items() if k in ("segments", "rounds", "solver", "memory")}
+        plan = synthesize_theory(theory, cluster, **synth_opts)
+        data = torch.tensor(list(json.dumps(plan.to_json()).encode()), dtype=torch.uint8, device=dev)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=dev)
+    root = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast(size, src=root, group=group)
+    if dist.get_rank(group) != 0:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+    dist.broadcast(data, src=root, group=group)
+    return Plan.from_json(json.loads(bytes(data.cpu().tolist()).decode()))

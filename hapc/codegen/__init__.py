@@ -1,0 +1,7 @@
+"""Plan -> per-rank PyTorch (DESIGN §5): :class:`RankProgram` emits one rank's ``torch.fx`` graph,
+:class:`CompiledModule` holds it with the rank's parameter shards and synchronises gradients."""
+
+from .module import CompiledModule
+from .program import RankProgram
+
+__all__ = ["CompiledModule", "RankProgram"]

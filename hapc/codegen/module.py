@@ -1,0 +1,255 @@
+"""The module a rank holds: its program, its parameter shards, gradient synchronisation, and the
+conversion between the sharded state and an ordinary single-device ``state_dict``.
+
+* Parameters are sliced from the single-device model by the layout the plan sources them in
+  (``S(d)``: this rank's rows by the ratios; ``R``: whole).
+* Replicated parameters end the backward with *Partial* gradients (DESIGN §3); they are summed
+  across ranks in buckets whose all-reduces start while the backward is still running (as DDP
+  does), and complete before ``loss.backward()`` returns. Parameters whose gradient a strategy
+  makes whole (sufficient-factor broadcasting) are left alone; sharded ones need nothing.
+* ``full_state_dict()`` gathers the shards into the single-device ``state_dict`` (and, given the
+  optimizer, its state keyed by parameter name), so a checkpoint moves between plans, world sizes
+  and back to one device; ``load_full_state_dict`` does the reverse.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..collectives.ops import gather_impl
+from ..plan import Plan
+from ..theory.graph import PARAM
+from ..theory.props import Layout
+from ..theory.triples import Theory
+from .program import RankProgram
+
+BUCKET_BYTES = 25 * 2**20
+
+
+class CompiledModule(nn.Module):
+    """One rank's share of a model under a plan. Call it like the model: it returns the loss
+    (its value is the full loss on every rank); ``loss.backward()`` leaves every local parameter
+    with exactly its share of the single-device gradient."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        theory: Theory,
+        plan: Plan,
+        *,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        plan.check(world_size=self.world, where="the plan")
+        self.plan, self.theory = plan, theory
+        self.device = torch.device(device) if device is not None else _default_device(group)
+        rp = RankProgram(theory, plan, self.rank)
+        rp.build_graph()
+        root = nn.Module()
+        root.group = group  # type: ignore[assignment]
+        root.device = self.device  # type: ignore[assignment]
+        self._layouts: dict[str, tuple[int, Layout]] = {}
+        full = _full_state(model)
+        for attr, (ref, lay) in rp.state.items():
+            node = theory.graph[ref]
+            if node.target not in full:
+                raise KeyError(f"the model has no parameter or buffer {node.target!r} (node {node.name})")
+            local = self._slice(full[node.target].detach(), ref, lay).to(self.device).clone()
+            if node.kind == PARAM:
+                root.register_parameter(attr, nn.Parameter(local, requires_grad=True))
+            else:
+                root.register_buffer(attr, local)
+            self._layouts[attr] = (ref, lay)
+        self.program = rp.module(root)
+        self.grad_complete = rp.grad_complete
+        self._unused = {k: v.detach().cpu().clone() for k, v in full.items() if k not in self._targets()}
+        self._setup_grad_sync()
+
+    # -- running ------------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        names = [n.name for n in self.theory.graph.inputs]
+        bound = dict(zip(self.theory.graph.input_names, args))
+        bound.update(kwargs)
+        missing = [n for n in names if n not in bound]
+        if missing:
+            raise TypeError(f"missing model input(s) {missing}")
+        return self.program(*[bound[n] for n in names])
+
+    @property
+    def code(self) -> str:
+        """This rank's program as Python source."""
+        return self.program.code
+
+    def local_parameters(self) -> dict[str, nn.Parameter]:
+        return dict(self.program.named_parameters())
+
+    # -- sharding -------------------------------------------------------------------------------------
+    def _slice(self, full: torch.Tensor, ref: int, lay: Layout) -> torch.Tensor:
+        if not lay.is_sharded:
+            return full
+        sizes = self.theory.local_sizes(ref, lay.dim, self.plan.device_ratios)
+        start = sum(sizes[: self.rank])
+        return full.narrow(lay.dim, start, sizes[self.rank])
+
+    def _gather(self, local: torch.Tensor, ref: int, lay: Layout) -> torch.Tensor:
+        if not lay.is_sharded:
+            return local
+        sizes = self.theory.local_sizes(ref, lay.dim, self.plan.device_ratios)
+        return gather_impl(local.detach().contiguous(), lay.dim, sizes, self.group, "padded")
+
+    def _targets(self) -> dict[str, str]:
+        """state_dict key -> local attribute (one per parameter / buffer, first layout wins)."""
+        out: dict[str, str] = {}
+        for attr, (ref, _) in self._layouts.items():
+            out.setdefault(self.theory.graph[ref].target, attr)
+        return out
+
+    def _tensor(self, attr: str) -> torch.Tensor:
+        return getattr(self.program, attr)
+
+    # -- gradient synchronisation --------------------------------------------------------------------
+    def _setup_grad_sync(self) -> None:
+        params = []
+        for attr, (ref, lay) in self._layouts.items():
+            if self.theory.graph[ref].kind == PARAM and lay.is_replicated and ref not in self.grad_complete:
+                params.append(self._tensor(attr))
+        self._sync_params = params
+        # static buckets in reverse order of use (gradients arrive roughly backwards)
+        buckets: list[list[nn.Parameter]] = [[]]
+        size = 0
+        for p in reversed(params):
+            if size and size + p.numel() * p.element_size() > BUCKET_BYTES:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(p)
+            size += p.numel() * p.element_size()
+        self._buckets = [b for b in buckets if b]
+        self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b}
+        self._reset_sync()
+        if self.world > 1:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _reset_sync(self) -> None:
+        self._ready = [0] * len(self._buckets)
+        self._launched: list[tuple[Any, torch.Tensor, list[nn.Parameter]]] = []
+        self._next = 0
+        self._queued = False
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_sync)
+            self._queued = True
+        b = self._bucket_of[id(p)]
+        self._ready[b] += 1
+        self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        # buckets go out in a fixed order so every rank issues the same all-reduces
+        while self._next < len(self._buckets) and (force or self._ready[self._next] == len(self._buckets[self._next])):
+            bucket = self._buckets[self._next]
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            self._launched.append((work, flat, bucket))
+            self._next += 1
+
+    def _finish_sync(self) -> None:
+        self._launch_ready(force=True)
+        for work, flat, bucket in self._launched:
+            work.wait()
+            offset = 0
+            for p in bucket:
+                n = p.numel()
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad.copy_(flat[offset : offset + n].view_as(p))
+                offset += n
+        self._reset_sync()
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def full_state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+        """The single-device ``state_dict`` (all ranks must call; every rank gets it). With an
+        optimizer: ``{"model": ..., "optimizer": {"state": {name: {...}}, "param_groups": [...]}}``."""
+        model: dict[str, torch.Tensor] = {}
+        for key, attr in self._targets().items():
+            ref, lay = self._layouts[attr]
+            model[key] = self._gather(self._tensor(attr), ref, lay).cpu()
+        for key, value in self._unused.items():
+            model.setdefault(key, value.clone())
+        if optimizer is None:
+            return model
+        state: dict[str, dict[str, Any]] = {}
+        by_param = {id(self._tensor(a)): (k, a) for k, a in self._targets().items()}
+        for p, st in optimizer.state.items():
+            if id(p) not in by_param:
+                continue
+            key, attr = by_param[id(p)]
+            ref, lay = self._layouts[attr]
+            state[key] = {
+                k: (self._gather(v, ref, lay).cpu() if torch.is_tensor(v) and v.shape == p.shape and v.dim() else v)
+                for k, v in st.items()
+            }
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
+        return {"model": model, "optimizer": {"state": state, "param_groups": groups}}
+
+    def load_full_state_dict(self, state: dict[str, Any], optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Load a single-device ``state_dict`` (or ``{"model", "optimizer"}`` from
+        :meth:`full_state_dict`), slicing this rank's shards."""
+        model_sd = state["model"] if "model" in state and isinstance(state["model"], dict) else state
+        missing = [k for k in self._targets() if k not in model_sd]
+        if missing:
+            raise KeyError(f"state dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        with torch.no_grad():
+            for key, attr in self._targets().items():
+                ref, lay = self._layouts[attr]
+                self._tensor(attr).copy_(self._slice(model_sd[key], ref, lay).to(self.device))
+        for key in self._unused:
+            if key in model_sd:
+                self._unused[key] = model_sd[key].detach().cpu().clone()
+        if optimizer is not None and "optimizer" in state:
+            self._load_optimizer(optimizer, state["optimizer"])
+
+    def _load_optimizer(self, optimizer: torch.optim.Optimizer, full: dict[str, Any]) -> None:
+        targets = self._targets()
+        for key, st in full["state"].items():
+            attr = targets.get(key)
+            if attr is None:
+                continue
+            p = self._tensor(attr)
+            ref, lay = self._layouts[attr]
+            whole = tuple(self.theory.graph[ref].shape)
+            local = {}
+            for k, v in st.items():
+                if torch.is_tensor(v) and tuple(v.shape) == whole and v.dim():
+                    local[k] = self._slice(v, ref, lay).to(self.device).clone()  # a moment, sharded like p
+                elif torch.is_tensor(v):
+                    local[k] = v.to(self.device).clone()
+                else:
+                    local[k] = v
+            optimizer.state[p] = local
+        for group, saved in zip(optimizer.param_groups, full.get("param_groups", [])):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _default_device(group: dist.ProcessGroup | None) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = dict(model.named_parameters())
+    out.update(dict(model.named_buffers()))
+    for name, value in vars(model).items():  # constants fx attached to the root while tracing
+        if name.startswith("_tensor_constant") and isinstance(value, torch.Tensor):
+            out[name] = value
+    return out

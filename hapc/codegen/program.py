@@ -1,0 +1,245 @@
+"""Plan -> one rank's program as a ``torch.fx.GraphModule`` (DESIGN §5).
+
+Every instruction of the plan becomes one line of ordinary PyTorch: sources read the rank's
+parameter shards (``self.linear_weight``) or slice the global batch; computations call the
+reference op with this rank's shapes written as literals (``x.reshape(8, 5, 64)`` on a rank holding
+5 of 12 heads); collectives call ``hapc.collectives`` with the shard sizes of every rank. The
+``.code`` of the result reads like hand-written code and is what ``hapc synth --emit-code`` writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .. import collectives as C
+from ..balance.rounding import bounds
+from ..plan import Plan
+from ..theory.graph import BUFFER, INPUT, PARAM
+from ..theory.instructions import Collective, Compute, Loss, Source
+from ..theory.local import default_call, local_call
+from ..theory.props import Layout
+from ..theory.strategy import OUT, LocalCall, Operand, ShardMarker, Strategy
+from ..theory.trace import CurrentDevice
+from ..theory.triples import Theory
+
+
+@dataclass
+class _Fused:
+    """A strategy that communicates inside: which runtime function runs it, and its extra args."""
+
+    fn: Callable
+    extra: Callable[[RankProgram, Any, Strategy], dict[str, Any]]
+
+
+def _no_extra(rp: RankProgram, node: Any, s: Strategy) -> dict[str, Any]:
+    return {}
+
+
+def _sfb_extra(rp: RankProgram, node: Any, s: Strategy) -> dict[str, Any]:
+    d = s.inputs[0].dim
+    return {"sizes": rp.sizes(node.operands[0], d), "dim": d}
+
+
+def _experts_out(rp: RankProgram, node: Any, s: Strategy) -> dict[str, Any]:
+    return {"expert_sizes": rp.sizes(node.index, 0)}
+
+
+def _experts_in(rp: RankProgram, node: Any, s: Strategy) -> dict[str, Any]:
+    return {"expert_sizes": rp.sizes(node.operands[0], 0)}
+
+
+FUSED: dict[tuple[str, str], _Fused] = {
+    ("batch_norm", "sync-batch"): _Fused(C.sync_batch_norm, _no_extra),
+    ("linear", "sfb"): _Fused(C.sfb_linear, _sfb_extra),
+    ("hapc.ops.moe_dispatch", "all-to-all"): _Fused(C.moe_dispatch_all_to_all, _experts_out),
+    ("hapc.ops.moe_dispatch", "tokens"): _Fused(C.moe_dispatch_tokens, _no_extra),
+    ("hapc.ops.moe_combine", "tokens"): _Fused(C.moe_combine_tokens, _no_extra),
+    ("hapc.ops.moe_combine", "all-to-all"): _Fused(C.moe_combine_all_to_all, _experts_in),
+}
+
+
+def _layout_name(lay: Layout) -> str:
+    return {"R": "R", "P": "P"}.get(lay.kind, f"S{lay.dim}")
+
+
+def state_name(node: Any, layout: Layout, kind: str) -> str:
+    """Attribute holding a parameter's (one layout) or buffer's (per layout) local tensor."""
+    return node.name if kind == PARAM else f"{node.name}__{_layout_name(layout)}"
+
+
+class RankProgram:
+    """Builds rank ``rank``'s graph for a plan (see module docstring)."""
+
+    def __init__(self, theory: Theory, plan: Plan, rank: int):
+        self.theory, self.plan, self.rank = theory, plan, rank
+        self.world = len(plan.device_ratios)
+        self.graph = fx.Graph()
+        self.env: dict[tuple[int, Layout], fx.Node] = {}
+        self.placeholders: dict[int, fx.Node] = {}
+        self.state: dict[str, tuple[int, Layout]] = {}  # attribute -> (node, layout) to shard from
+        self.grad_complete: set[int] = set()
+        self._group: fx.Node | None = None
+        self._device: fx.Node | None = None
+
+    # -- per-rank numbers ---------------------------------------------------------------------------
+    def sizes(self, ref: int, dim: int) -> list[int]:
+        return self.theory.local_sizes(ref, dim, self.plan.device_ratios)
+
+    def span(self, ref: int, dim: int) -> tuple[int, int]:
+        return bounds(self.sizes(ref, dim))[self.rank]
+
+    def group(self) -> fx.Node:
+        if self._group is None:
+            self._group = self.graph.get_attr("group")
+        return self._group
+
+    def device(self) -> fx.Node:
+        if self._device is None:
+            self._device = self.graph.get_attr("device")
+        return self._device
+
+    # -- building -------------------------------------------------------------------------------
+    def build_graph(self) -> fx.Graph:
+        """Emit every instruction; afterwards ``state`` lists the tensors the program reads."""
+        g = self.graph
+        for n in self.theory.graph.inputs:
+            self.placeholders[n.index] = g.placeholder(n.name)
+        loss = None
+        for seg in self.plan.program:
+            for triple in seg:
+                for ins in triple:
+                    out = self.emit(ins)
+                    if isinstance(ins, Loss):
+                        loss = out
+        if loss is None:
+            raise RuntimeError("the plan has no loss instruction")
+        g.output(loss)
+        g.lint()
+        return g
+
+    def module(self, root: torch.nn.Module) -> fx.GraphModule:
+        """The program over ``root``, which holds every tensor named in ``state`` plus ``group``
+        and ``device``."""
+        return fx.GraphModule(root, self.graph, class_name=f"Rank{self.rank}")
+
+    def emit(self, ins: Any) -> fx.Node | None:
+        g, th = self.graph, self.theory
+        node = th.graph[ins.ref]
+        if isinstance(ins, Source):
+            return self._source(node, ins.layout)
+        if isinstance(ins, Compute):
+            return self._compute(node, th.strategy(ins.ref, ins.strategy_key))
+        if isinstance(ins, Collective):
+            return self._collective(node, ins)
+        if isinstance(ins, Loss):
+            x = self.env[(ins.ref, ins.layout)]
+            if ins.layout.is_partial:
+                return g.call_function(C.global_value, (x, self.group()), name="loss")
+            return g.call_function(C.grad_scale, (x, 1.0 / self.world), name="loss")
+        raise TypeError(f"unknown instruction {ins!r}")
+
+    def _source(self, node: Any, lay: Layout) -> fx.Node:
+        g = self.graph
+        if node.kind == INPUT:
+            x = self.placeholders[node.index]
+            if lay.is_sharded:
+                lo, hi = self.span(node.index, lay.dim)
+                total = node.shape[lay.dim]
+                out = g.call_function(
+                    C.take_shard, (x, lay.dim, lo, hi - lo, total, node.name), name=f"{node.name}_local"
+                )
+            else:
+                out = g.call_function(C.take_whole, (x, node.shape, node.name), name=f"{node.name}_whole")
+        elif node.kind in (PARAM, BUFFER):
+            attr = state_name(node, lay, node.kind)
+            self.state[attr] = (node.index, lay)
+            out = g.get_attr(attr)
+        else:
+            raise RuntimeError(f"node {node.name} ({node.kind}) cannot be a source")
+        self.env[(node.index, lay)] = out
+        return out
+
+    def _marker(self, node: Any) -> Callable[[ShardMarker], int]:
+        def value(m: ShardMarker) -> int:
+            ref = node.index if m.which == OUT else node.operands[m.which]
+            lo, hi = self.span(ref, m.dim)
+            return {"len": hi - lo, "start": lo, "end": hi}[m.kind]
+
+        return value
+
+    def _fill(self, value: Any, operands: Sequence[fx.Node], marker: Callable[[ShardMarker], int]) -> Any:
+        if isinstance(value, Operand):
+            return operands[value.position]
+        if isinstance(value, ShardMarker):
+            return marker(value)
+        if isinstance(value, CurrentDevice):
+            return self.device()
+        if isinstance(value, tuple):
+            return tuple(self._fill(v, operands, marker) for v in value)
+        if isinstance(value, list):
+            return [self._fill(v, operands, marker) for v in value]
+        if isinstance(value, dict):
+            return {k: self._fill(v, operands, marker) for k, v in value.items()}
+        return value
+
+    def _compute(self, node: Any, s: Strategy) -> fx.Node:
+        g = self.graph
+        operands = [self.env[(o, lay)] for o, lay in zip(node.operands, s.inputs)]
+        fused = FUSED.get((node.op, s.name)) if (s.simulate is not None or s.grad_complete) else None
+        if s.simulate is not None and fused is None:
+            raise NotImplementedError(f"no runtime for strategy {s.name!r} of {node.op!r} (node {node.name})")
+        marker = self._marker(node)
+        if fused is not None:
+            call: LocalCall = default_call(node)
+            args = self._fill(call.args, operands, marker)
+            kwargs = self._fill(dict(call.kwargs), operands, marker)
+            kwargs.update(fused.extra(self, node, s))
+            kwargs["group"] = self.group()
+            out = g.call_function(fused.fn, tuple(args), kwargs, name=node.name)
+            for i in s.grad_complete:
+                self.grad_complete.add(node.operands[i])
+        else:
+            call = local_call(node, s)
+            args = self._fill(call.args, operands, marker)
+            kwargs = self._fill(dict(call.kwargs), operands, marker)
+            if call.is_method:
+                out = g.call_method(call.target, tuple(args), kwargs, name=node.name)
+            else:
+                out = g.call_function(call.target, tuple(args), kwargs, name=node.name)
+            if call.out_index is not None:
+                import operator
+
+                out = g.call_function(operator.getitem, (out, call.out_index), name=f"{node.name}_{call.out_index}")
+        self.env[(node.index, s.output)] = out
+        return out
+
+    def _collective(self, node: Any, ins: Collective) -> fx.Node:
+        g = self.graph
+        x = self.env[(node.index, ins.src)]
+        name = f"{node.name}_{_layout_name(ins.dst)}"
+        if ins.op == "all_gather":
+            d = ins.src.dim
+            out = g.call_function(C.all_gather, (x, d, self.sizes(node.index, d), self.group(), ins.variant), name=name)
+        elif ins.op == "reduce_scatter":
+            d = ins.dst.dim
+            out = g.call_function(
+                C.reduce_scatter, (x, d, self.sizes(node.index, d), self.group(), ins.variant), name=name
+            )
+        elif ins.op == "all_reduce":
+            out = g.call_function(C.all_reduce, (x, self.group()), name=name)
+        elif ins.op == "all_to_all":
+            s, d = ins.src.dim, ins.dst.dim
+            args = (x, s, d, self.sizes(node.index, s), self.sizes(node.index, d), self.group())
+            out = g.call_function(C.all_to_all, args, name=name)
+        elif ins.op == "slice":
+            lo, hi = self.span(node.index, ins.dst.dim)
+            out = g.call_method("narrow", (x, ins.dst.dim, lo, hi - lo), name=name)
+        else:
+            raise ValueError(f"unknown collective {ins.op!r}")
+        self.env[(node.index, ins.dst)] = out
+        return out

@@ -1,0 +1,32 @@
+"""Uneven, autograd-aware collectives and the ops that communicate inside (``hapc.collectives``).
+
+Generated per-rank code calls these by name: ``hapc.collectives.all_gather(x, 0, [5, 3], group)``.
+"""
+
+from .fused import (
+    moe_combine_all_to_all,
+    moe_combine_tokens,
+    moe_dispatch_all_to_all,
+    moe_dispatch_tokens,
+    sfb_linear,
+    sync_batch_norm,
+)
+from .ops import all_gather, all_reduce, all_to_all, global_value, grad_scale, reduce_scatter
+from .shards import take_shard, take_whole
+
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "global_value",
+    "grad_scale",
+    "moe_combine_all_to_all",
+    "moe_combine_tokens",
+    "moe_dispatch_all_to_all",
+    "moe_dispatch_tokens",
+    "reduce_scatter",
+    "sfb_linear",
+    "sync_batch_norm",
+    "take_shard",
+    "take_whole",
+]

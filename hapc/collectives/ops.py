@@ -1,0 +1,225 @@
+"""Uneven, autograd-aware collectives on ``torch.distributed`` (HAP §2.5.1, DESIGN §3, §5).
+
+Each collective is an ``autograd.Function`` whose backward is its adjoint under the
+partial-gradient convention, so a program built from them back-propagates correctly by itself:
+
+=====================  ==========================  ================================
+forward                layouts                     backward (adjoint)
+=====================  ==========================  ================================
+``all_gather``         ``S(d) -> R``               ``reduce_scatter`` on ``d``
+``reduce_scatter``     ``P -> S(d)``               ``all_gather`` on ``d``
+``all_reduce``         ``P -> R``                  ``all_reduce``
+``all_to_all``         ``S(d1) -> S(d2)``          ``all_to_all`` ``S(d2) -> S(d1)``
+=====================  ==========================  ================================
+
+Shards are uneven: ``sizes[r]`` is rank ``r``'s length along the sharded dim. gloo's and NCCL's
+all-gather and reduce-scatter need equal sizes, so the *padded* variant pads every shard to the
+largest and trims after; the *grouped* variant sends each shard with its own broadcast / reduce
+(HAP Fig. 3). All-to-all packs the pieces into one flat buffer per rank and uses
+``all_to_all_single`` with split sizes, which both backends support unevenly. The semantics match
+``hapc.theory.simulate`` exactly; the tests check one against the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..balance.rounding import bounds
+
+Group = dist.ProcessGroup | None
+
+
+def _rank(group: Group) -> int:
+    return dist.get_rank(group)
+
+
+def _pad(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    if x.shape[dim] == length:
+        return x.contiguous()
+    shape = list(x.shape)
+    shape[dim] = length - x.shape[dim]
+    return torch.cat([x, x.new_zeros(shape)], dim=dim).contiguous()
+
+
+def _global_rank(group: Group, r: int) -> int:
+    return r if group is None else dist.get_global_rank(group, r)
+
+
+def gather_impl(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Group, variant: str) -> torch.Tensor:
+    me = _rank(group)
+    if x.shape[dim] != sizes[me]:
+        raise RuntimeError(f"all_gather: local shard has {x.shape[dim]} on dim {dim}, expected {sizes[me]}")
+    if variant == "grouped":
+        parts = []
+        for r, n in enumerate(sizes):
+            shape = list(x.shape)
+            shape[dim] = n
+            buf = x.contiguous() if r == me else x.new_empty(shape)
+            dist.broadcast(buf, src=_global_rank(group, r), group=group)
+            parts.append(buf)
+        return torch.cat(parts, dim=dim)
+    big = max(sizes)
+    local = _pad(x, dim, big)
+    bufs = [torch.empty_like(local) for _ in sizes]
+    dist.all_gather(bufs, local, group=group)
+    return torch.cat([b.narrow(dim, 0, n) for b, n in zip(bufs, sizes)], dim=dim)
+
+
+def scatter_impl(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Group, variant: str) -> torch.Tensor:
+    me = _rank(group)
+    if x.shape[dim] != sum(sizes):
+        raise RuntimeError(f"reduce_scatter: tensor has {x.shape[dim]} on dim {dim}, expected {sum(sizes)}")
+    if variant == "grouped":
+        out = None
+        for r, (lo, hi) in enumerate(bounds(sizes)):
+            piece = x.narrow(dim, lo, hi - lo).contiguous().clone()
+            dist.reduce(piece, dst=_global_rank(group, r), op=dist.ReduceOp.SUM, group=group)
+            if r == me:
+                out = piece
+        return out
+    big = max(sizes)
+    pieces = [_pad(x.narrow(dim, lo, hi - lo), dim, big) for lo, hi in bounds(sizes)]
+    out = torch.empty_like(pieces[0])
+    dist.reduce_scatter(out, pieces, op=dist.ReduceOp.SUM, group=group)
+    return out.narrow(dim, 0, sizes[me])
+
+
+def reduce_impl(x: torch.Tensor, group: Group) -> torch.Tensor:
+    out = x.contiguous().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def a2a_impl(
+    x: torch.Tensor, src_dim: int, dst_dim: int, src_sizes: Sequence[int], dst_sizes: Sequence[int], group: Group
+) -> torch.Tensor:
+    me = _rank(group)
+    if x.shape[src_dim] != src_sizes[me]:
+        raise RuntimeError(f"all_to_all: local shard has {x.shape[src_dim]} on dim {src_dim}, expected {src_sizes[me]}")
+    if src_dim == dst_dim:  # a re-split of the same dim: gather the overlapping ranges
+        full_lo = bounds(src_sizes)[me][0]
+        pieces = []
+        for lo, hi in bounds(dst_sizes):
+            a, b = max(lo, full_lo), min(hi, full_lo + src_sizes[me])
+            pieces.append(x.narrow(src_dim, max(a - full_lo, 0), max(b - a, 0)))
+    else:
+        pieces = [x.narrow(dst_dim, lo, hi - lo) for lo, hi in bounds(dst_sizes)]
+    send = torch.cat([p.contiguous().reshape(-1) for p in pieces]) if pieces else x.new_zeros(0)
+    recv_shapes = []
+    for r in range(len(src_sizes)):
+        shape = list(x.shape)
+        if src_dim == dst_dim:
+            lo_s, hi_s = bounds(src_sizes)[r]
+            lo_d, hi_d = bounds(dst_sizes)[me]
+            shape[src_dim] = max(min(hi_s, hi_d) - max(lo_s, lo_d), 0)
+        else:
+            shape[src_dim] = src_sizes[r]
+            shape[dst_dim] = dst_sizes[me]
+        recv_shapes.append(shape)
+    recv_counts = [int(torch.Size(s).numel()) for s in recv_shapes]
+    out = x.new_empty(sum(recv_counts))
+    dist.all_to_all_single(
+        out, send, output_split_sizes=recv_counts, input_split_sizes=[p.numel() for p in pieces], group=group
+    )
+    parts = [chunk.reshape(s) for chunk, s in zip(torch.split(out, recv_counts), recv_shapes)]
+    return torch.cat(parts, dim=src_dim if src_dim != dst_dim else dst_dim)
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, sizes, group, variant):
+        ctx.args = (dim, sizes, group, variant)
+        return gather_impl(x, dim, sizes, group, variant)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, sizes, group, variant = ctx.args
+        return scatter_impl(grad, dim, sizes, group, variant), None, None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, sizes, group, variant):
+        ctx.args = (dim, sizes, group, variant)
+        return scatter_impl(x, dim, sizes, group, variant)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, sizes, group, variant = ctx.args
+        return gather_impl(grad.contiguous(), dim, sizes, group, variant), None, None, None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_impl(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_impl(grad, ctx.group), None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, src_dim, dst_dim, src_sizes, dst_sizes, group):
+        ctx.args = (src_dim, dst_dim, src_sizes, dst_sizes, group)
+        return a2a_impl(x, src_dim, dst_dim, src_sizes, dst_sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        src_dim, dst_dim, src_sizes, dst_sizes, group = ctx.args
+        return a2a_impl(grad.contiguous(), dst_dim, src_dim, dst_sizes, src_sizes, group), None, None, None, None, None
+
+
+def all_gather(
+    x: torch.Tensor, dim: int, sizes: Sequence[int], group: Group = None, variant: str = "padded"
+) -> torch.Tensor:
+    """``S(dim) -> R``: concatenate every rank's shard (rank ``r`` holds ``sizes[r]``)."""
+    return _AllGather.apply(x, dim, list(sizes), group, variant)
+
+
+def reduce_scatter(
+    x: torch.Tensor, dim: int, sizes: Sequence[int], group: Group = None, variant: str = "padded"
+) -> torch.Tensor:
+    """``P -> S(dim)``: sum over ranks, keep rank ``r``'s slice of ``sizes[r]``."""
+    return _ReduceScatter.apply(x, dim, list(sizes), group, variant)
+
+
+def all_reduce(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """``P -> R``: the sum over ranks, on every rank."""
+    return _AllReduce.apply(x, group)
+
+
+def all_to_all(
+    x: torch.Tensor, src_dim: int, dst_dim: int, src_sizes: Sequence[int], dst_sizes: Sequence[int], group: Group = None
+) -> torch.Tensor:
+    """``S(src_dim) -> S(dst_dim)`` with uneven shards on both sides."""
+    return _AllToAll.apply(x, src_dim, dst_dim, list(src_sizes), list(dst_sizes), group)
+
+
+class _GradScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def grad_scale(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """Identity whose gradient is multiplied by ``factor`` (a replicated loss seeds ``1/m`` per rank)."""
+    return _GradScale.apply(x, factor)
+
+
+def global_value(partial: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """A Partial scalar whose *value* is the sum over ranks but whose gradient flows to this
+    rank's summand unchanged: what the loss of a program returns, so every rank reports the loss."""
+    total = partial.detach().clone()
+    dist.all_reduce(total, group=group)
+    return partial + (total - partial.detach())
