@@ -5,11 +5,13 @@ The public API. Everything not listed in ``__all__`` is internal.
     graph  = hapc.trace(model, example_inputs)     # the single-device reference graph
     theory = hapc.derive(graph)                    # its Hoare-triple theory (HAP §4)
     hapc.register_op(fn, "b s h, f h -> b s f")    # teach the theory a custom op
+    plan   = hapc.synthesize(model, "hap-testbed:16", example_inputs)  # program + ratios
+    module = hapc.compile(model, cluster, example_inputs)  # this rank's part, under torchrun
 """
 
 from __future__ import annotations
 
-from . import ops
+from . import checkpoint, ops
 from .api import compile, synthesize
 from .cluster import Cluster
 from .errors import (
@@ -83,6 +85,7 @@ __all__ = [
     "UnsupportedOpError",
     "UnsupportedOpWarning",
     "__version__",
+    "checkpoint",
     "compile",
     "custom_op",
     "derive",

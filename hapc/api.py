@@ -30,6 +30,7 @@ def synthesize(
     rounds: int = 4,
     solver: str = "cbc",
     baseline: str | None = None,
+    ratios: Sequence[float] | None = None,
     memory: bool = True,
     strict: bool = False,
     sfb: bool = True,
@@ -48,7 +49,10 @@ def synthesize(
             A*); see :mod:`hapc.synth.synthesizer`.
         rounds: maximum synthesis/balance alternations.
         solver: ``"cbc"`` or ``"highs"`` for the LP.
-        baseline: ``"dp-ev"``, ``"dp-cp"`` or ``"tp"`` to price a baseline instead.
+        baseline: ``"dp-ev"``, ``"dp-cp"``, ``"ep"`` or ``"tp"`` to price a baseline instead.
+        ratios: fix the sharding ratios (one per device group of the cluster, in its order,
+            weighted by group size summing to 1) instead of balancing them with the LP; the
+            program is still synthesized for them.
         memory: respect each device's memory.
         strict / sfb / variants / param_comm: passed to :func:`hapc.derive`.
     """
@@ -67,6 +71,7 @@ def synthesize(
         rounds=rounds,
         solver=solver,
         baseline=baseline,
+        ratios=ratios,
         memory=memory,
         progress=progress,
         timings={"trace": t1 - t0, "derive": t2 - t1},
@@ -83,6 +88,7 @@ def synthesize_theory(
     rounds: int = 4,
     solver: str = "cbc",
     baseline: str | None = None,
+    ratios: Sequence[float] | None = None,
     memory: bool = True,
     progress: Progress | None = None,
     timings: dict[str, float] | None = None,
@@ -98,6 +104,8 @@ def synthesize_theory(
     if baseline is not None:
         allowed &= restrict(theory, baseline, model.m)
         initial = model.proportional_ratios() if baseline == "dp-cp" else model.even_ratios()
+    if ratios is not None:
+        initial = _check_ratios(ratios, model)
     space = SynthSpace(theory, model.m, segments, allowed)
     t1 = time.perf_counter()
     best = balance(
@@ -105,7 +113,7 @@ def synthesize_theory(
         model,
         rounds=rounds,
         initial=initial,
-        fixed=baseline is not None,
+        fixed=baseline is not None or ratios is not None,
         memory=memory,
         solver=solver,
         progress=progress,
@@ -167,7 +175,25 @@ def synthesize_theory(
     return plan
 
 
-def compile(  # noqa: A001 - mirrors torch.compile's name on purpose
+def _check_ratios(ratios: Sequence[float], model: CostModel) -> tuple[float, ...]:
+    names = [t.name for t in model.types]
+    if len(ratios) != len(names):
+        raise HapcError(
+            f"ratios has {len(ratios)} entries but the cluster has {len(names)} device groups ({', '.join(names)}); "
+            "give one ratio per group"
+        )
+    if any(not (r > 0) for r in ratios):
+        raise HapcError(f"ratios must be positive, got {list(ratios)}")
+    total = sum(r * c for r, c in zip(ratios, model.counts))
+    if abs(total - 1) > 1e-6:
+        raise HapcError(
+            f"ratios weighted by group sizes {list(model.counts)} sum to {total:.6g}, not 1 "
+            "(each device of a group gets its group's ratio)"
+        )
+    return tuple(float(r) for r in ratios)
+
+
+def compile(
     model: torch.nn.Module,
     cluster: Cluster | str,
     example_inputs: Any,
@@ -175,17 +201,29 @@ def compile(  # noqa: A001 - mirrors torch.compile's name on purpose
     *,
     group: Any = None,
     device: Any = None,
+    leaf_modules: Sequence[type] = (),
     **options: Any,
 ) -> Any:
     """This rank's part of ``model`` under ``plan`` (synthesized here when not given).
 
     Call under an initialised process group (e.g. ``torchrun``); every rank calls it with the
-    same model (same initial weights) and example inputs. Rank 0 synthesizes and sends the plan to
-    the others as JSON. The returned module takes the model's inputs -- the global batch, or this
-    rank's share of it -- and returns the loss; use it with any ``torch.optim`` optimizer.
+    same model (same initial weights) and example inputs. Without ``plan``, rank 0 synthesizes
+    and sends the plan to the others as JSON. The returned module takes the model's inputs -- the
+    global batch, or this rank's share of it -- and returns the loss (its full value on every
+    rank); use it with any ``torch.optim`` optimizer.
+
+    Args:
+        plan: a :class:`Plan` or the path of a saved one; checked against the model, the
+            cluster and the world size.
+        group: the process group to run on (default: the whole job).
+        device: where this rank's shards live (default: ``cuda:current`` under NCCL, else CPU).
+        options: for synthesis when no plan is given -- ``segments``, ``rounds``, ``solver``,
+            ``memory``, ``baseline``, ``ratios`` (see :func:`synthesize`) and the theory options
+            ``sfb``, ``variants``, ``param_comm``, ``strict`` (see :func:`hapc.derive`).
 
     Raises:
-        HapcError: no process group, or the world size does not match the plan / cluster.
+        HapcError: no process group, an unknown option, or the world size does not match the
+            plan / cluster.
         PlanError: the plan was made for another model or cluster.
     """
     import torch.distributed as dist
@@ -193,6 +231,11 @@ def compile(  # noqa: A001 - mirrors torch.compile's name on purpose
     from .codegen.module import CompiledModule
     from .theory import derive, trace
 
+    unknown = sorted(set(options) - set(SYNTH_OPTIONS) - set(THEORY_OPTIONS))
+    if unknown:
+        raise HapcError(
+            f"hapc.compile got unknown option(s) {unknown}; known: {', '.join(SYNTH_OPTIONS + THEORY_OPTIONS)}"
+        )
     if not dist.is_available() or not dist.is_initialized():
         raise HapcError(
             "hapc.compile runs inside a distributed job: start it with torchrun (or call "
@@ -207,28 +250,38 @@ def compile(  # noqa: A001 - mirrors torch.compile's name on purpose
             f"cluster {cluster.name!r} has {cluster.num_devices} devices but the job has {world} processes; "
             f"start {cluster.num_devices} processes or describe the {world} you have"
         )
-    graph = trace(model, example_inputs)
-    opts = dict(plan.options) if plan is not None else {}
-    theory_opts = {k: opts.get(k, options.get(k, d)) for k, d in (("sfb", True), ("param_comm", False), ("strict", False))}
-    variants = tuple(opts.get("variants", options.get("variants", ("padded", "grouped"))))
-    theory = derive(graph, variants=variants, **theory_opts)
+    graph = trace(model, example_inputs, leaf_modules=leaf_modules)
+    theory_opts = {"sfb": True, "variants": ("padded", "grouped"), "param_comm": False, "strict": False}
+    source = plan.options if plan is not None else options
+    theory_opts.update({k: source[k] for k in THEORY_OPTIONS if k in source})
+    theory_opts["variants"] = tuple(theory_opts["variants"])
+    theory = derive(graph, **theory_opts)
     if plan is None:
-        plan = _agree_on_plan(theory, cluster, group, options)
+        plan = _agree_on_plan(theory, cluster, group, options, theory_opts)
     plan.check(graph=graph, cluster=cluster, world_size=world)
     return CompiledModule(model, theory, plan, group=group, device=device)
 
 
-def _agree_on_plan(theory: Any, cluster: Cluster, group: Any, options: dict[str, Any]) -> Plan:
+SYNTH_OPTIONS = ("segments", "rounds", "solver", "memory", "baseline", "ratios")
+THEORY_OPTIONS = ("sfb", "variants", "param_comm", "strict")
+
+
+def _agree_on_plan(
+    theory: Any, cluster: Cluster, group: Any, options: dict[str, Any], theory_opts: dict[str, Any]
+) -> Plan:
     """Rank 0 synthesizes; everyone receives the same plan as JSON bytes (never pickle)."""
     import json
 
     import torch.distributed as dist
 
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    dev = (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    )
     if dist.get_rank(group) == 0:
-        synth_opts = {k: v for k, v in options.items() if k in ("segments", "rounds", "solver", "memory")}
-        plan = synthesize_theory(theory, cluster, **synth_opts)
-        data = torch.tensor(list(json.dumps(plan.to_json()).encode()), dtype=torch.uint8, device=dev)
+        synth_opts = {k: v for k, v in options.items() if k in SYNTH_OPTIONS}
+        recorded = {**theory_opts, "variants": list(theory_opts["variants"])}
+        plan = synthesize_theory(theory, cluster, options=recorded, **synth_opts)
+        data = torch.frombuffer(bytearray(json.dumps(plan.to_json()).encode()), dtype=torch.uint8).to(dev)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
     else:
         size = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -237,4 +290,4 @@ def _agree_on_plan(theory: Any, cluster: Cluster, group: Any, options: dict[str,
     if dist.get_rank(group) != 0:
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
     dist.broadcast(data, src=root, group=group)
-    return Plan.from_json(json.loads(bytes(data.cpu().tolist()).decode()))
+    return Plan.from_json(json.loads(data.cpu().numpy().tobytes().decode()))

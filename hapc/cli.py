@@ -2,7 +2,7 @@
 
     hapc rules [--json]                      every op the theory knows and how it may shard
     hapc theory MODEL [--json] [--verify]    the Hoare-triple theory of a model
-    hapc synth MODEL --cluster C [--show-program] [--json PLAN] [--baseline dp-ev|dp-cp|tp]
+    hapc synth MODEL --cluster C [--show-program] [--json PLAN] [--baseline dp-ev|dp-cp|ep|tp]
     hapc demo                                the README's main job
 
 MODEL is a zoo alias (``gpt``, ``gpt-1.3b``, ``bert``, ``mlp``, ``cnn``, ``moe``...) or
@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .errors import HapcError
+from .synth.baselines import BASELINES
 
 
 def _console() -> Console:
@@ -268,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE", help="keyword argument for the factory")
     y.add_argument("--show-program", action="store_true", help="print the program, one instruction per line")
     y.add_argument("--json", metavar="PATH", help="write the plan as JSON")
-    y.add_argument("--baseline", choices=["dp-ev", "dp-cp", "tp"], help="price a baseline instead")
+    y.add_argument("--baseline", choices=list(BASELINES), help="price a baseline instead")
     y.add_argument("--segments", default="node", choices=["node", "blocks", "none"], help="search decomposition")
     y.add_argument("--rounds", type=int, default=4, help="synthesis / LP alternations")
     y.add_argument("--solver", default="cbc", choices=["cbc", "highs"], help="LP solver")

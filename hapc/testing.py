@@ -21,7 +21,31 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .cluster import Cluster
 from .errors import HapcError
+
+
+def cluster_of(
+    flops: list[float],
+    *,
+    bandwidth: str = "2 GB/s",
+    latency: str = "50 us",
+    memory: str = "4 GiB",
+    name: str = "test",
+) -> Cluster:
+    """A cluster of ``len(flops)`` devices, each its own group (so each gets its own ratio),
+    joined by one uniform link: the shape of cluster the equivalence tests need."""
+    link = {"bandwidth": bandwidth, "latency": latency}
+    return Cluster.from_dict(
+        {
+            "name": name,
+            "group": [
+                {"name": f"d{i}", "devices": 1, "devices_per_host": 1, "flops": f, "memory": memory}
+                for i, f in enumerate(flops)
+            ],
+            "links": {"intra_host": link, "inter_host": link},
+        }
+    )
 
 
 def free_port() -> int:
@@ -35,7 +59,10 @@ def _worker(fn: Callable, rank: int, world: int, port: int, queue: Any, args: tu
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
             timeout=timedelta(seconds=timeout),
         )
         result = fn(rank, world, *args)
@@ -57,7 +84,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     ctx = mp.get_context("fork")
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args, timeout)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args, timeout)) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -77,10 +106,16 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         if dead and queue.empty():
             time.sleep(0.5)
             if queue.empty():
-                errors += [f"rank {r} died with exit code {code}" for r, code in dead if all(f"rank {r}:" not in e for e in errors)]
+                errors += [
+                    f"rank {r} died with exit code {code}"
+                    for r, code in dead
+                    if all(f"rank {r}:" not in e for e in errors)
+                ]
                 break
         if time.monotonic() > deadline:
-            errors.append(f"timed out after {timeout:.0f}s waiting for ranks {sorted(set(range(world_size)) - set(results))}")
+            errors.append(
+                f"timed out after {timeout:.0f}s waiting for ranks {sorted(set(range(world_size)) - set(results))}"
+            )
             break
         time.sleep(0.01)
     for p in procs:

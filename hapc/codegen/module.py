@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checkpoint import load_param_groups
 from ..collectives.ops import gather_impl
+from ..errors import HapcError
 from ..plan import Plan
 from ..theory.graph import PARAM
 from ..theory.props import Layout
@@ -28,6 +30,7 @@ from ..theory.triples import Theory
 from .program import RankProgram
 
 BUCKET_BYTES = 25 * 2**20
+_MODE_SENSITIVE = (nn.modules.batchnorm._BatchNorm, nn.Dropout, nn.modules.dropout._DropoutNd)
 
 
 class CompiledModule(nn.Module):
@@ -58,6 +61,16 @@ class CompiledModule(nn.Module):
         root.device = self.device  # type: ignore[assignment]
         self._layouts: dict[str, tuple[int, Layout]] = {}
         full = _full_state(model)
+        self._state_keys = list(model.state_dict().keys())  # what full_state_dict returns, in order
+        # the traced program baked in the model's train/eval mode; batch norm's counter is module
+        # state outside the graph, advanced here as the module would
+        self._traced_mode = model.training
+        self._mode_sensitive = [q for q, mod in model.named_modules() if isinstance(mod, _MODE_SENSITIVE)]
+        self._counters = [
+            f"{q}.num_batches_tracked" if q else "num_batches_tracked"
+            for q, mod in model.named_modules()
+            if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.training and mod.track_running_stats
+        ]
         for attr, (ref, lay) in rp.state.items():
             node = theory.graph[ref]
             if node.target not in full:
@@ -81,7 +94,20 @@ class CompiledModule(nn.Module):
         missing = [n for n in names if n not in bound]
         if missing:
             raise TypeError(f"missing model input(s) {missing}")
-        return self.program(*[bound[n] for n in names])
+        out = self.program(*[bound[n] for n in names])
+        for key in self._counters:
+            if key in self._unused:
+                self._unused[key] += 1
+        return out
+
+    def train(self, mode: bool = True) -> CompiledModule:
+        if mode != self._traced_mode and self._mode_sensitive:
+            raise HapcError(
+                f"this program was compiled from the model in {'training' if self._traced_mode else 'eval'} mode "
+                f"and {self._mode_sensitive[0]!r} behaves differently in the other; compile the model again after "
+                f"model.{'eval' if not mode else 'train'}() for that mode"
+            )
+        return super().train(mode)
 
     @property
     def code(self) -> str:
@@ -133,10 +159,25 @@ class CompiledModule(nn.Module):
             size += p.numel() * p.element_size()
         self._buckets = [b for b in buckets if b]
         self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b}
+        self._carry: dict[int, torch.Tensor] = {}
         self._reset_sync()
         if self.world > 1:
             for p in params:
+                p.register_hook(self._stash_hook(p))
                 p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _stash_hook(self, p: nn.Parameter):
+        # Before a new gradient is accumulated into a replicated parameter, move the old (already
+        # summed) one aside: only the new Partial contribution is all-reduced, then the old is added
+        # back. Without this, gradient accumulation over several backward passes would sum the
+        # earlier, already complete gradients ``world`` times.
+        def stash(grad: torch.Tensor) -> torch.Tensor:
+            if p.grad is not None:
+                self._carry[id(p)] = p.grad
+                p.grad = None
+            return grad
+
+        return stash
 
     def _reset_sync(self) -> None:
         self._ready = [0] * len(self._buckets)
@@ -171,19 +212,36 @@ class CompiledModule(nn.Module):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 p.grad.copy_(flat[offset : offset + n].view_as(p))
+                old = self._carry.pop(id(p), None)
+                if old is not None:
+                    p.grad.add_(old)
                 offset += n
         self._reset_sync()
+
+    def full_gradients(self) -> dict[str, torch.Tensor | None]:
+        """Every parameter's whole gradient by ``state_dict`` name, gathered from the shards (all
+        ranks must call; every rank gets it): what single-device training would hold in ``.grad``."""
+        out: dict[str, torch.Tensor | None] = {}
+        for key, attr in self._targets().items():
+            ref, lay = self._layouts[attr]
+            p = self._tensor(attr)
+            if not isinstance(p, nn.Parameter):
+                continue
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            out[key] = self._gather(grad, ref, lay).cpu()
+        return out
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def full_state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
         """The single-device ``state_dict`` (all ranks must call; every rank gets it). With an
         optimizer: ``{"model": ..., "optimizer": {"state": {name: {...}}, "param_groups": [...]}}``."""
-        model: dict[str, torch.Tensor] = {}
+        gathered: dict[str, torch.Tensor] = {}
         for key, attr in self._targets().items():
             ref, lay = self._layouts[attr]
-            model[key] = self._gather(self._tensor(attr), ref, lay).cpu()
-        for key, value in self._unused.items():
-            model.setdefault(key, value.clone())
+            gathered[key] = self._gather(self._tensor(attr), ref, lay).detach().cpu()
+        model = {}
+        for key in self._state_keys:  # trace-time constants are not part of the user's state
+            model[key] = gathered[key] if key in gathered else self._unused[key].clone()
         if optimizer is None:
             return model
         state: dict[str, dict[str, Any]] = {}
@@ -204,11 +262,13 @@ class CompiledModule(nn.Module):
         """Load a single-device ``state_dict`` (or ``{"model", "optimizer"}`` from
         :meth:`full_state_dict`), slicing this rank's shards."""
         model_sd = state["model"] if "model" in state and isinstance(state["model"], dict) else state
-        missing = [k for k in self._targets() if k not in model_sd]
+        missing = [k for k in self._targets() if k not in model_sd and k in self._state_keys]
         if missing:
             raise KeyError(f"state dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")
         with torch.no_grad():
             for key, attr in self._targets().items():
+                if key not in model_sd:
+                    continue  # a trace-time constant: it never changes
                 ref, lay = self._layouts[attr]
                 self._tensor(attr).copy_(self._slice(model_sd[key], ref, lay).to(self.device))
         for key in self._unused:
@@ -235,8 +295,7 @@ class CompiledModule(nn.Module):
                 else:
                     local[k] = v
             optimizer.state[p] = local
-        for group, saved in zip(optimizer.param_groups, full.get("param_groups", [])):
-            group.update({k: v for k, v in saved.items() if k != "params"})
+        load_param_groups(optimizer, full.get("param_groups", []))
 
 
 def _default_device(group: dist.ProcessGroup | None) -> torch.device:

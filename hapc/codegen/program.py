@@ -208,7 +208,7 @@ class RankProgram:
             args = self._fill(call.args, operands, marker)
             kwargs = self._fill(dict(call.kwargs), operands, marker)
             if call.is_method:
-                out = g.call_method(call.target, tuple(args), kwargs, name=node.name)
+                out = g.create_node("call_method", call.target, tuple(args), kwargs, name=node.name)
             else:
                 out = g.call_function(call.target, tuple(args), kwargs, name=node.name)
             if call.out_index is not None:
@@ -238,7 +238,7 @@ class RankProgram:
             out = g.call_function(C.all_to_all, args, name=name)
         elif ins.op == "slice":
             lo, hi = self.span(node.index, ins.dst.dim)
-            out = g.call_method("narrow", (x, ins.dst.dim, lo, hi - lo), name=name)
+            out = g.create_node("call_method", "narrow", (x, ins.dst.dim, lo, hi - lo), name=name)
         else:
             raise ValueError(f"unknown collective {ins.op!r}")
         self.env[(node.index, ins.dst)] = out

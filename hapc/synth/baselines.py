@@ -2,6 +2,8 @@
 
 ``dp-ev``  data parallelism, even ratios;
 ``dp-cp``  data parallelism, ratios proportional to device speed;
+``ep``     expert parallelism (GShard): data parallelism, with each MoE layer's expert weights
+           sharded over the devices by expert and tokens exchanged by all-to-all, even ratios;
 ``tp``     Megatron-style tensor parallelism with even shards (column-parallel linears feeding
            row-parallel ones, everything else replicated; Shoeybi et al. 2019).
 
@@ -18,24 +20,38 @@ from ..theory.instructions import Collective, Source
 from ..theory.props import REPLICATED, Layout, shard
 from ..theory.triples import Theory
 
-BASELINES = ("dp-ev", "dp-cp", "tp")
+BASELINES = ("dp-ev", "dp-cp", "ep", "tp")
 
 
 def restrict(theory: Theory, baseline: str, m: int) -> set[int]:
     """Indices of the triples a baseline may use."""
     g = theory.graph
-    if baseline in ("dp-ev", "dp-cp"):
+    if baseline in ("dp-ev", "dp-cp", "ep"):
         wanted = _dp_sources(g, m)
-        allow_comm = lambda ref: g[ref].meta.rank == 0  # noqa: E731 - only scalars (loss pieces) move
+        if baseline == "ep":
+            experts = expert_parameters(g)
+            if not experts:
+                raise InfeasibleError("expert parallelism needs a mixture-of-experts layer (hapc.ops.moe_dispatch)")
+            for ref in experts:
+                if g[ref].shape[0] < m:
+                    raise InfeasibleError(
+                        f"expert parallelism over {m} devices is impossible: {g[ref].name} has only "
+                        f"{g[ref].shape[0]} experts; use at most that many devices"
+                    )
+                wanted[ref] = shard(0)
+        # only scalars (loss pieces) move, plus the all-reduces a batch-sharded op itself needs
+        # (MoE token dispatch into replicated experts, batch sums)
+        allow_comm = lambda ins: g[ins.ref].meta.rank == 0 or ins.op == "all_reduce"  # noqa: E731
     elif baseline == "tp":
         wanted = megatron_layouts(g)
         for ref, lay in wanted.items():
             if lay.is_sharded and theory.atoms(ref, lay.dim) < m:
                 raise InfeasibleError(
                     f"tensor parallelism over {m} devices is impossible: {g[ref].name} dim {lay.dim} splits into "
-                    f"only {theory.atoms(ref, lay.dim)} whole units (attention heads); use at most that many devices"
+                    f"only {theory.atoms(ref, lay.dim)} whole units (attention heads, experts); "
+                    "use at most that many devices"
                 )
-        allow_comm = lambda ref: True  # noqa: E731
+        allow_comm = lambda ins: True  # noqa: E731
     else:
         raise ValueError(f"unknown baseline {baseline!r}; one of {BASELINES}")
     out = set()
@@ -44,7 +60,7 @@ def restrict(theory: Theory, baseline: str, m: int) -> set[int]:
         for ins in t.instrs:
             if isinstance(ins, Source) and wanted.get(ins.ref, REPLICATED) != ins.layout:
                 ok = False
-            if isinstance(ins, Collective) and not allow_comm(ins.ref):
+            if isinstance(ins, Collective) and not allow_comm(ins):
                 ok = False
         if ok:
             out.add(k)
@@ -63,6 +79,27 @@ def _dp_sources(g: RefGraph, m: int) -> dict[int, Layout]:
         elif n.kind in (PARAM, BUFFER, INPUT):
             wanted[n.index] = REPLICATED
     return wanted
+
+
+def expert_parameters(g: RefGraph) -> set[int]:
+    """Parameters indexed by expert: read between a ``moe_dispatch`` and its ``moe_combine``,
+    leading dim equal to the number of experts."""
+    out: set[int] = set()
+    for n in g:
+        if n.op != "hapc.ops.moe_dispatch":
+            continue
+        experts = n.shape[0]
+        inside, frontier = {n.index}, [n.index]
+        while frontier:
+            ref = frontier.pop()
+            for user in g[ref].users:
+                u = g[user]
+                if u.op == "hapc.ops.moe_combine" or user in inside:
+                    continue
+                inside.add(user)
+                frontier.append(user)
+                out.update(o for o in u.operands if g[o].kind == PARAM and g[o].shape[:1] == (experts,))
+    return out
 
 
 def megatron_layouts(g: RefGraph) -> dict[int, Layout]:

@@ -1,0 +1,105 @@
+"""The equivalence harness: run a plan on real gloo processes and compare with single-device.
+
+``check_plan(alias, model_kwargs, cluster, plan, world)`` builds the same model (same seed) in
+every process, compiles it under ``plan``, runs one forward/backward, gathers the loss and every
+parameter's whole gradient, then takes a few optimizer steps and gathers the full state; the
+parent does the same on one device and compares everything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import hapc
+import models
+from hapc.testing import run_distributed
+
+TOL = {torch.float64: (1e-9, 1e-12), torch.float32: (1e-4, 1e-6)}
+
+
+def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    # Adam divides by sqrt(v) + eps: a gradient that is exactly zero in theory (an attention key
+    # bias) but 1e-17 of rounding noise in practice becomes an update of ~lr with default eps, in
+    # either run, differently. eps=1e-6 keeps that noise negligible in float64.
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=1e-2, eps=1e-6)
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _distributed_job(rank: int, world: int, alias: str, mkw: dict, cluster: Any, plan: Any, steps: int, opt: str):
+    model, inputs = models.load(alias, **mkw)
+    m = hapc.compile(model, cluster, inputs, plan=plan)
+    loss = m(*inputs)
+    loss.backward()
+    first = (loss.detach().item(), m.full_gradients())
+    optimizer = make_optimizer(opt, m.parameters())
+    losses = []
+    for step in range(steps):
+        if step:
+            optimizer.zero_grad()
+            loss = m(*inputs)
+            loss.backward()
+        losses.append(loss.detach().item())
+        optimizer.step()
+    state = m.full_state_dict(optimizer)
+    return {"loss": first[0], "grads": first[1], "losses": losses, "state": state}
+
+
+def single_device(alias: str, mkw: dict, steps: int, opt: str) -> dict[str, Any]:
+    model, inputs = models.load(alias, **mkw)
+    loss = model(*inputs)
+    loss.backward()
+    grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+    first = loss.item()
+    optimizer = make_optimizer(opt, model.parameters())
+    losses = []
+    for step in range(steps):
+        if step:
+            optimizer.zero_grad()
+            loss = model(*inputs)
+            loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+    return {"loss": first, "grads": grads, "losses": losses, "state": hapc.checkpoint.full_state(model, optimizer)}
+
+
+def assert_close(got: Any, want: Any, dtype: torch.dtype, what: str) -> None:
+    rtol, atol = TOL[dtype]
+    if isinstance(want, dict):
+        assert set(got) == set(want), f"{what}: keys differ: {sorted(set(got) ^ set(want))}"
+        for k in want:
+            assert_close(got[k], want[k], dtype, f"{what}.{k}")
+    elif isinstance(want, list | tuple):
+        assert len(got) == len(want), f"{what}: length {len(got)} != {len(want)}"
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_close(a, b, dtype, f"{what}[{i}]")
+    elif torch.is_tensor(want):
+        assert torch.is_tensor(got) and got.shape == want.shape, f"{what}: shape {getattr(got, 'shape', got)}"
+        if not want.is_floating_point():
+            assert torch.equal(got, want), f"{what} differs"
+            return
+        scale = float(want.abs().max()) if want.numel() else 0.0
+        torch.testing.assert_close(
+            got.to(want.dtype), want, rtol=rtol, atol=atol * max(scale, 1.0), msg=lambda m: f"{what}: {m}"
+        )
+    elif isinstance(want, float):
+        assert abs(got - want) <= rtol * abs(want) + atol, f"{what}: {got} != {want}"
+    else:
+        assert got == want, f"{what}: {got!r} != {want!r}"
+
+
+def check_plan(
+    alias: str, mkw: dict, cluster: Any, plan: Any, world: int, *, steps: int = 3, opt: str = "sgd"
+) -> list[dict[str, Any]]:
+    """Run ``plan`` on ``world`` gloo processes and assert it matches single-device training."""
+    dtype = mkw.get("dtype", torch.float32)
+    results = run_distributed(_distributed_job, world, alias, mkw, cluster, plan, steps, opt)
+    ref = single_device(alias, mkw, steps, opt)
+    for rank, res in enumerate(results):
+        assert_close(res["loss"], ref["loss"], dtype, f"rank {rank} loss")
+        assert_close(res["grads"], ref["grads"], dtype, f"rank {rank} grad")
+        assert_close(res["losses"], ref["losses"], dtype, f"rank {rank} losses")
+        assert_close(res["state"], ref["state"], dtype, f"rank {rank} state")
+    return results
