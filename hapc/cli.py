@@ -2,7 +2,7 @@
 
     hapc rules [--json]                      every op the theory knows and how it may shard
     hapc theory MODEL [--json] [--verify]    the Hoare-triple theory of a model
-    hapc synth MODEL --cluster C [--show-program] [--json PLAN] [--baseline dp-ev|dp-cp|ep|tp]
+    hapc synth MODEL --cluster C [--show-program] [--json PLAN] [--baseline dp-ev|dp-cp|ep|tp] [--emit-code DIR]
     hapc demo                                the README's main job
 
 MODEL is a zoo alias (``gpt``, ``gpt-1.3b``, ``bert``, ``mlp``, ``cnn``, ``moe``...) or
@@ -171,7 +171,6 @@ def cmd_synth(ns: argparse.Namespace) -> int:
 
     from .api import synthesize
     from .cluster import Cluster
-    from .theory.instructions import Collective
 
     console = _console()
     cluster = Cluster.load(ns.cluster)
@@ -224,7 +223,11 @@ def cmd_synth(ns: argparse.Namespace) -> int:
             console.print("  " + line, markup=False)
     if ns.json:
         console.print(f"plan written to {ns.json}")
-    del Collective
+    if ns.emit_code:
+        from .codegen.emit import emit_code
+
+        paths = emit_code(plan, plan._theory, ns.emit_code)  # type: ignore[attr-defined]
+        console.print(f"per-rank code: {', '.join(str(p) for p in paths[:-1])} (plan: {paths[-1]})")
     return 0
 
 
@@ -274,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--rounds", type=int, default=4, help="synthesis / LP alternations")
     y.add_argument("--solver", default="cbc", choices=["cbc", "highs"], help="LP solver")
     y.add_argument("--no-memory", action="store_true", help="ignore device memory limits")
+    y.add_argument("--emit-code", metavar="DIR", help="write DIR/rank{r}.py for every rank and DIR/plan.json")
     y.set_defaults(fn=cmd_synth)
 
     d = sub.add_parser("demo", help="the README's main job")

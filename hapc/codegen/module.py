@@ -126,8 +126,9 @@ class CompiledModule(nn.Module):
         return full.narrow(lay.dim, start, sizes[self.rank])
 
     def _gather(self, local: torch.Tensor, ref: int, lay: Layout) -> torch.Tensor:
+        """The whole tensor from every rank's shard: a new tensor, never a view of ``local``."""
         if not lay.is_sharded:
-            return local
+            return local.detach().clone()
         sizes = self.theory.local_sizes(ref, lay.dim, self.plan.device_ratios)
         return gather_impl(local.detach().contiguous(), lay.dim, sizes, self.group, "padded")
 
@@ -251,12 +252,17 @@ class CompiledModule(nn.Module):
                 continue
             key, attr = by_param[id(p)]
             ref, lay = self._layouts[attr]
-            state[key] = {
-                k: (self._gather(v, ref, lay).cpu() if torch.is_tensor(v) and v.shape == p.shape and v.dim() else v)
-                for k, v in st.items()
-            }
+            state[key] = {k: self._gather_state(v, p, ref, lay) for k, v in st.items()}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
         return {"model": model, "optimizer": {"state": state, "param_groups": groups}}
+
+    def _gather_state(self, value: Any, p: torch.Tensor, ref: int, lay: Layout) -> Any:
+        """One optimizer-state entry, whole: moments shaped like the shard are gathered like it."""
+        if not torch.is_tensor(value):
+            return value
+        if value.dim() and value.shape == p.shape:
+            return self._gather(value, ref, lay).cpu()
+        return value.detach().cpu().clone()
 
     def load_full_state_dict(self, state: dict[str, Any], optimizer: torch.optim.Optimizer | None = None) -> None:
         """Load a single-device ``state_dict`` (or ``{"model", "optimizer"}`` from

@@ -9,6 +9,7 @@ reference op with this rank's shapes written as literals (``x.reshape(8, 5, 64)`
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,23 @@ FUSED: dict[tuple[str, str], _Fused] = {
 }
 
 
+def _key(value: Any) -> Any:
+    """A hashable identity for call arguments (fx nodes by identity, containers by content)."""
+    if isinstance(value, fx.Node):
+        return ("node", id(value))
+    if isinstance(value, list | tuple):
+        return (type(value).__name__, tuple(_key(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _key(v)) for k, v in value.items()))
+    if isinstance(value, slice):
+        return ("slice", _key(value.start), _key(value.stop), _key(value.step))
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return value
+
+
 def _layout_name(lay: Layout) -> str:
     return {"R": "R", "P": "P"}.get(lay.kind, f"S{lay.dim}")
 
@@ -85,6 +103,7 @@ class RankProgram:
         self.grad_complete: set[int] = set()
         self._group: fx.Node | None = None
         self._device: fx.Node | None = None
+        self._calls: dict[Any, fx.Node] = {}
 
     # -- per-rank numbers ---------------------------------------------------------------------------
     def sizes(self, ref: int, dim: int) -> list[int]:
@@ -207,14 +226,15 @@ class RankProgram:
             call = local_call(node, s)
             args = self._fill(call.args, operands, marker)
             kwargs = self._fill(dict(call.kwargs), operands, marker)
-            if call.is_method:
-                out = g.create_node("call_method", call.target, tuple(args), kwargs, name=node.name)
-            else:
-                out = g.call_function(call.target, tuple(args), kwargs, name=node.name)
-            if call.out_index is not None:
-                import operator
-
-                out = g.call_function(operator.getitem, (out, call.out_index), name=f"{node.name}_{call.out_index}")
+            kind = "call_method" if call.is_method else "call_function"
+            if call.out_index is None:
+                out = g.create_node(kind, call.target, tuple(args), kwargs, name=node.name)
+            else:  # one output of a multi-output op (topk, split): call it once, index it per output
+                key = (kind, call.target, _key(args), _key(kwargs))
+                whole = self._calls.get(key)
+                if whole is None:
+                    whole = self._calls[key] = g.create_node(kind, call.target, tuple(args), kwargs, name=node.name)
+                out = g.call_function(operator.getitem, (whole, call.out_index), name=f"{node.name}_{call.out_index}")
         self.env[(node.index, s.output)] = out
         return out
 

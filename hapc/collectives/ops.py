@@ -104,7 +104,7 @@ def a2a_impl(
         pieces = []
         for lo, hi in bounds(dst_sizes):
             a, b = max(lo, full_lo), min(hi, full_lo + src_sizes[me])
-            pieces.append(x.narrow(src_dim, max(a - full_lo, 0), max(b - a, 0)))
+            pieces.append(x.narrow(src_dim, a - full_lo, b - a) if b > a else x.narrow(src_dim, 0, 0))
     else:
         pieces = [x.narrow(dst_dim, lo, hi - lo) for lo, hi in bounds(dst_sizes)]
     send = torch.cat([p.contiguous().reshape(-1) for p in pieces]) if pieces else x.new_zeros(0)

@@ -1,0 +1,237 @@
+"""The runtime around the generated programs: checkpoints across plans, emitted code, local
+batches, gradient accumulation, and the errors a user meets when something does not match."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from harness import assert_close, make_optimizer
+
+import hapc
+import hapc.collectives
+import models
+from hapc.codegen.emit import emit_code, load_rank_module, rank_source
+from hapc.errors import HapcError
+from hapc.testing import cluster_of, run_distributed
+
+F64 = torch.float64
+SLOW3 = cluster_of([5e9, 3e9, 2e9], bandwidth="10 MB/s")
+TWO = cluster_of([3e9, 1e9])
+
+
+def _plan(alias, cluster, **kw):
+    model, inputs = models.load(alias, dtype=F64)
+    return hapc.synthesize(model, cluster, inputs, **kw)
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+
+def _train_and_save(rank, world, cluster, plan, path):
+    model, inputs = models.load("gpt", dtype=F64)
+    m = hapc.compile(model, cluster, inputs, plan=plan)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2, eps=1e-6)
+    for _ in range(2):
+        opt.zero_grad()
+        m(*inputs).backward()
+        opt.step()
+    state = m.full_state_dict(opt)
+    if rank == 0:
+        hapc.checkpoint.save(state, path)
+    return state
+
+
+def _load_and_continue(rank, world, cluster, plan, path):
+    _, inputs = models.load("gpt", dtype=F64)
+    model, _ = models.load("gpt", dtype=F64, seed=123)  # other initial weights: all must come from the file
+    m = hapc.compile(model, cluster, inputs, plan=plan)
+    opt = torch.optim.Adam(m.parameters(), lr=0.5, eps=1e-6)  # hyper-parameters come from the file too
+    m.load_full_state_dict(hapc.checkpoint.load(path), opt)
+    reloaded = m.full_state_dict(opt)
+    opt.zero_grad()
+    m(*inputs).backward()
+    opt.step()
+    return reloaded, m.full_state_dict(opt)
+
+
+def test_checkpoint_moves_between_plans_and_to_one_device(tmp_path):
+    """Acceptance 2: 3 ranks under plan A -> 2 ranks under plan B -> one device, nothing lost."""
+    path = tmp_path / "ckpt.pt"
+    plan_a = _plan("gpt", SLOW3)  # tensor-parallel pieces, uneven
+    plan_b = _plan("gpt", TWO, baseline="dp-cp")  # data parallel, 0.75 / 0.25
+    assert plan_a.device_ratios != plan_b.device_ratios and len(plan_b.device_ratios) == 2
+    saved = run_distributed(_train_and_save, 3, SLOW3, plan_a, str(path))[0]
+    assert any(k.endswith("exp_avg_sq") for st in saved["optimizer"]["state"].values() for k in st)
+
+    on_b = run_distributed(_load_and_continue, 2, TWO, plan_b, str(path))
+    for reloaded, _ in on_b:
+        assert_close(reloaded, saved, F64, "plan B reload")  # identical: slicing and gathering are exact
+        for key, t in saved["model"].items():
+            assert torch.equal(reloaded["model"][key], t), key
+
+    _, inputs = models.load("gpt", dtype=F64)
+    model, _ = models.load("gpt", dtype=F64, seed=7)
+    opt = torch.optim.Adam(model.parameters(), lr=0.5, eps=1e-6)
+    hapc.checkpoint.load_full_state(model, hapc.checkpoint.load(path), opt)
+    single = hapc.checkpoint.full_state(model, opt)
+    assert_close(single, saved, F64, "single-device reload")
+    opt.zero_grad()
+    model(*inputs).backward()
+    opt.step()
+    after = hapc.checkpoint.full_state(model, opt)
+    for _, stepped in on_b:  # one more step under plan B == one more step on one device
+        assert_close(stepped, after, F64, "step after reload")
+
+
+def test_checkpoint_save_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "c.pt"
+    hapc.checkpoint.save({"model": {"w": torch.ones(2)}}, path)
+
+    def crash(*a, **k):
+        raise KeyboardInterrupt("killed while writing")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        hapc.checkpoint.save({"model": {"w": torch.zeros(2)}}, path)
+    monkeypatch.undo()
+    assert torch.equal(hapc.checkpoint.load(path)["model"]["w"], torch.ones(2))
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]  # no temporary left behind
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(HapcError, match="not a readable hapc checkpoint"):
+        hapc.checkpoint.load(tmp_path / "bad.pt")
+
+
+# -- emitted code ---------------------------------------------------------------------------------
+
+
+def _emitted_matches(rank, world, cluster, plan, directory):
+    model, inputs = models.load("gpt", dtype=F64)
+    m = hapc.compile(model, cluster, inputs, plan=plan)
+    cls = load_rank_module(f"{directory}/rank{rank}.py", rank)
+    mine = cls(group=None, device="cpu", dtype=F64)
+    mine.load_state_dict(m.program.state_dict(), strict=True)
+    loss_a = m(*inputs)
+    loss_a.backward()
+    loss_b = mine(*inputs)
+    loss_b.backward()
+    assert torch.equal(loss_a.detach(), loss_b.detach())
+    for name, p in mine.named_parameters():
+        grad = p.grad
+        if m._layouts[name][1].is_replicated and m._layouts[name][0] not in m.grad_complete:
+            grad = hapc.collectives.all_reduce(grad)  # the emitted class leaves gradient sync to its user
+        torch.testing.assert_close(grad, getattr(m.program, name).grad, rtol=1e-12, atol=1e-15, msg=name)
+    return m.code
+
+
+def test_emitted_files_run_and_equal_the_compiled_program(tmp_path):
+    plan = _plan("gpt", SLOW3)
+    paths = emit_code(plan, plan._theory, tmp_path)
+    assert [p.name for p in paths] == ["rank0.py", "rank1.py", "rank2.py", "plan.json"]
+    assert hapc.Plan.from_json(json.loads(paths[-1].read_text())).to_json() == plan.to_json()
+    src = paths[1].read_text()
+    assert "class Rank1(torch.nn.Module)" in src and "C.all_gather(" in src and "F.linear(" in src
+    assert not re.search(r";\s+\w+ = None", src)  # no fx bookkeeping in what people read
+    assert "is_causal=True" in src
+    # rank 1 holds 11 of the 32 hidden features in this plan: its literal shapes say so
+    assert "[10, 11, 11]" in src
+    run_distributed(_emitted_matches, 3, SLOW3, plan, str(tmp_path))
+
+
+def test_rank_source_is_deterministic():
+    plan = _plan("mlp", SLOW3)
+    assert rank_source(plan._theory, plan, 2) == rank_source(plan._theory, plan, 2)
+
+
+# -- batches --------------------------------------------------------------------------------------
+
+
+def _local_batch(rank, world, cluster, plan):
+    from hapc.balance.rounding import bounds
+
+    model, (x, y) = models.load("mlp", dtype=F64)
+    m = hapc.compile(model, cluster, (x, y), plan=plan)
+    whole = m(x, y).item()
+    ref = next(n.index for n in plan._theory.graph.inputs if n.name == "x")
+    lo, hi = bounds(plan._theory.local_sizes(ref, 0, plan.device_ratios))[rank]
+    mine = m(x[lo:hi], y[lo:hi]).item()  # this rank's share only
+    with pytest.raises(HapcError, match="re-synthesize"):
+        m(x[:6], y[:6])  # neither the global batch (16) nor any rank's share (8, 5, 3)
+    return whole, mine
+
+
+def test_forward_takes_the_global_batch_or_the_local_share():
+    plan = _plan("mlp", cluster_of([5e9, 3e9, 2e9]), baseline="dp-cp")
+    assert plan.device_ratios == pytest.approx([0.5, 0.3, 0.2])
+    model, inputs = models.load("mlp", dtype=F64)
+    ref = model(*inputs).item()
+    for whole, mine in run_distributed(_local_batch, 3, cluster_of([5e9, 3e9, 2e9]), plan):
+        assert whole == pytest.approx(ref, rel=1e-12) and mine == pytest.approx(ref, rel=1e-12)
+
+
+def _accumulate(rank, world, cluster, plan, micro):
+    model, inputs = models.load("gpt", dtype=F64)
+    m = hapc.compile(model, cluster, inputs, plan=plan)
+    opt = make_optimizer("sgd", m.parameters())
+    for _ in range(micro):  # the same batch twice: gradients add up
+        m(*inputs).backward()
+    grads = m.full_gradients()
+    opt.step()
+    return grads
+
+
+def test_gradient_accumulation_over_backward_passes():
+    plan = _plan("gpt", cluster_of([5e9, 3e9, 2e9]), baseline="dp-cp")  # replicated params: grads synced
+    got = run_distributed(_accumulate, 3, cluster_of([5e9, 3e9, 2e9]), plan, 2)
+    model, inputs = models.load("gpt", dtype=F64)
+    for _ in range(2):
+        model(*inputs).backward()
+    want = {k: p.grad for k, p in model.named_parameters()}
+    for grads in got:
+        assert_close(grads, want, F64, "accumulated grad")
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+def test_compile_outside_a_distributed_job_says_how_to_start_one():
+    model, inputs = models.load("mlp")
+    with pytest.raises(HapcError, match="torchrun"):
+        hapc.compile(model, "local-cpu:2", inputs)
+
+
+def _compile_job(rank, world, cluster, plan, kwargs):
+    model, inputs = models.load("mlp", **kwargs.pop("model", {}))
+    hapc.compile(model, cluster, inputs, plan=plan, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "world, cluster, plan_for, kwargs, message",
+    [
+        (2, "local-cpu:3", None, {}, "has 3 devices but the job has 2 processes"),
+        (2, "local-cpu:3", "local-cpu:3", {}, "3 devices .* 2"),
+        (2, "local-cpu:2", "local-cpu:2", {"model": {"widths": (24, 32, 48)}}, "another model|different model"),
+        (2, "local-cpu:2", None, {"bogus": 1}, "unknown option"),
+    ],
+    ids=["cluster-vs-world", "plan-vs-world", "plan-vs-model", "unknown-option"],
+)
+def test_mismatches_are_refused_with_the_fix(world, cluster, plan_for, kwargs, message):
+    plan = None
+    if plan_for is not None:
+        model, inputs = models.load("mlp")
+        plan = hapc.synthesize(model, plan_for, inputs)
+    with pytest.raises(HapcError, match=message):
+        run_distributed(_compile_job, world, cluster, plan, kwargs, timeout=30)
+
+
+def _eval_job(rank, world):
+    model, inputs = models.load("cnn", batch_norm=True)
+    m = hapc.compile(model, "local-cpu:2", inputs)
+    m.eval()
+
+
+def test_switching_train_eval_on_a_batch_norm_model_is_refused():
+    with pytest.raises(HapcError, match=r"compile the model again after model\.eval"):
+        run_distributed(_eval_job, 2, timeout=30)
