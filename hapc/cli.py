@@ -3,7 +3,7 @@
     hapc rules [--json]                      every op the theory knows and how it may shard
     hapc theory MODEL [--json] [--verify]    the Hoare-triple theory of a model
     hapc synth MODEL --cluster C [--show-program] [--json PLAN] [--baseline dp-ev|dp-cp|ep|tp] [--emit-code DIR]
-    hapc demo                                the README's main job
+    hapc demo [--model M] [--cluster C]      the README's main job: synthesize, train, compare
 
 MODEL is a zoo alias (``gpt``, ``gpt-1.3b``, ``bert``, ``mlp``, ``cnn``, ``moe``...) or
 ``package.module:function`` returning ``(model, example_inputs)``; ``--arg key=value`` passes
@@ -239,13 +239,15 @@ def _gib(x: float) -> str:
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:
-    console = _console()
-    console.print(
-        "[bold]hapc demo[/]: the theory of a small GPT (synthesis and training arrive with the next layers)\n"
-    )
-    return cmd_theory(
-        argparse.Namespace(model="gpt", arg=[], json=False, strict=False, raw=False, verify=True, show="12")
-    )
+    import functools
+
+    from .cluster import Cluster
+    from .demo import run_demo
+
+    cluster = Cluster.load(ns.cluster)
+    load_model(ns.model, ns.arg)  # fail early on a bad model spec
+    factory = functools.partial(load_model, ns.model, tuple(ns.arg))
+    return run_demo(factory, ns.model, cluster, steps=ns.steps, out=ns.out, console=_console())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -280,7 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--emit-code", metavar="DIR", help="write DIR/rank{r}.py for every rank and DIR/plan.json")
     y.set_defaults(fn=cmd_synth)
 
-    d = sub.add_parser("demo", help="the README's main job")
+    d = sub.add_parser("demo", help="the README's main job: synthesize, train on local processes, compare")
+    d.add_argument("--model", default="gpt-small", help="zoo alias or package.module:function")
+    d.add_argument("--arg", action="append", default=["batch=6"], metavar="KEY=VALUE", help="factory keyword")
+    d.add_argument("--cluster", default="local-cpu:3", help="one local process per device of this cluster")
+    d.add_argument("--steps", type=int, default=5, help="training steps")
+    d.add_argument("--out", default="hapc-demo", help="where the per-rank code is written")
     d.set_defaults(fn=cmd_demo)
     return p
 
