@@ -3,6 +3,7 @@
     hapc rules [--json]                      every op the theory knows and how it may shard
     hapc theory MODEL [--json] [--verify]    the Hoare-triple theory of a model
     hapc synth MODEL --cluster C [--show-program] [--json PLAN] [--baseline dp-ev|dp-cp|ep|tp] [--emit-code DIR]
+    torchrun --nproc-per-node N -m hapc.cli profile --out cluster.toml   (or: hapc profile --local N)
     hapc demo [--model M] [--cluster C]      the README's main job: synthesize, train, compare
 
 MODEL is a zoo alias (``gpt``, ``gpt-1.3b``, ``bert``, ``mlp``, ``cnn``, ``moe``...) or
@@ -250,6 +251,73 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     return run_demo(factory, ns.model, cluster, steps=ns.steps, out=ns.out, console=_console())
 
 
+# -- hapc profile -------------------------------------------------------------------------------
+
+
+def _profile_job(rank: int, world: int, kwargs: dict[str, Any]) -> dict[str, Any]:
+    from .profile import profile
+
+    cluster, raw = profile(**kwargs)
+    return {"toml": cluster.to_toml(), "raw": json.dumps(raw)}
+
+
+def cmd_profile(ns: argparse.Namespace) -> int:
+    import os
+
+    import torch.distributed as dist
+
+    from .cluster import Cluster, parse_quantity
+
+    console = _console()
+    sizes = tuple(int(parse_quantity(s.strip(), "--sizes")) for s in ns.sizes.split(","))
+    kwargs = {"sizes": sizes, "reps": ns.reps, "gemm": ns.gemm, "name": ns.name, "out": ns.out}
+    if ns.local:
+        from .testing import run_distributed
+
+        result = run_distributed(_profile_job, ns.local, kwargs, timeout=600)[0]
+    else:
+        if "RANK" not in os.environ and not dist.is_initialized():
+            raise HapcError("hapc profile measures a running job: start it with torchrun, or pass --local N")
+        if not dist.is_initialized():
+            import torch
+
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        result = _profile_job(dist.get_rank(), dist.get_world_size(), kwargs)
+        if dist.get_rank() != 0:
+            return 0
+    cluster = Cluster.load(tomllib_loads(result["toml"]))
+    raw = json.loads(result["raw"])
+    console.print(cluster.describe())
+    table = Table(title="collectives: t = alpha + beta * bytes (cost-model convention)")
+    for col in ("primitive", "alpha (us)", "bandwidth 1/beta", "points (bytes: us)"):
+        table.add_column(col, justify="right")
+    for p, v in raw["collectives"].items():
+        bw = f"{1 / v['beta'] / 1e9:.3g} GB/s" if v["beta"] > 0 else "inf"
+        pts = ", ".join(f"{x}: {t * 1e6:.0f}" for x, t in v["points"])
+        table.add_row(p, f"{v['alpha'] * 1e6:.1f}", bw, pts)
+    console.print(table)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            f.write(result["raw"])
+    if ns.out:
+        console.print(f"cluster written to {ns.out} (use it: hapc synth MODEL --cluster {ns.out})")
+    else:
+        console.print(result["toml"], markup=False)
+    return 0
+
+
+def tomllib_loads(text: str) -> dict[str, Any]:
+    import sys
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    return tomllib.loads(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hapc", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -281,6 +349,16 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--no-memory", action="store_true", help="ignore device memory limits")
     y.add_argument("--emit-code", metavar="DIR", help="write DIR/rank{r}.py for every rank and DIR/plan.json")
     y.set_defaults(fn=cmd_synth)
+
+    f = sub.add_parser("profile", help="measure the running cluster (under torchrun) and write a cluster file")
+    f.add_argument("--out", help="write the cluster TOML here")
+    f.add_argument("--local", type=int, metavar="N", help="start N local gloo processes instead of using torchrun")
+    f.add_argument("--sizes", default="1KiB,16KiB,128KiB,1MiB,4MiB", help="message sizes for the alpha-beta fits")
+    f.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (median kept)")
+    f.add_argument("--gemm", type=int, default=1024, help="matrix size for the flops measurement")
+    f.add_argument("--name", default="profiled", help="cluster name")
+    f.add_argument("--json", metavar="PATH", help="also write the raw measurements")
+    f.set_defaults(fn=cmd_profile)
 
     d = sub.add_parser("demo", help="the README's main job: synthesize, train on local processes, compare")
     d.add_argument("--model", default="gpt-small", help="zoo alias or package.module:function")

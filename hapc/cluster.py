@@ -254,7 +254,10 @@ class Cluster:
     def to_toml(self) -> str:
         """The cluster as a TOML file :meth:`load` reads back."""
         d = self.to_dict()
-        lines = [f"name = {json.dumps(d['name'])}", f"virtual = {json.dumps(d['virtual'])}", ""]
+        lines = [f"name = {json.dumps(d['name'])}", f"virtual = {json.dumps(d['virtual'])}"]
+        if self.notes:
+            lines.append(f"notes = {json.dumps(self.notes)}")
+        lines.append("")
         for g in d["group"]:
             lines.append("[[group]]")
             lines += [f"{k} = {json.dumps(v)}" for k, v in g.items()]

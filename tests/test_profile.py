@@ -1,0 +1,74 @@
+"""``hapc profile``: alpha-beta fits, grouping of measured devices, a real run on gloo processes."""
+
+from __future__ import annotations
+
+import pytest
+
+import hapc
+import models
+from hapc.cli import main, tomllib_loads
+from hapc.cluster import PRIMITIVES, Cluster
+from hapc.profile import DeviceReport, build_cluster, fit_alpha_beta, profile
+from hapc.testing import run_distributed
+
+
+def test_fit_recovers_a_line_and_stays_non_negative():
+    xs = [1e3, 1e4, 1e5, 1e6]
+    alpha, beta = fit_alpha_beta(xs, [5e-5 + 2e-9 * x for x in xs])
+    assert alpha == pytest.approx(5e-5) and beta == pytest.approx(2e-9)
+    assert fit_alpha_beta(xs, [3e-4, 2e-4, 3e-4, 2e-4])[1] == 0.0  # flat: latency only
+    alpha, beta = fit_alpha_beta(xs, [1e-9 * x - 1e-6 for x in xs])
+    assert alpha == 0.0 and beta > 0
+
+
+def test_groups_are_runs_of_one_device_kind_in_rank_order():
+    r = [
+        DeviceReport("h0", "a100", 150e12, 1.5e12, 40e9),
+        DeviceReport("h0", "a100", 140e12, 1.5e12, 40e9),
+        DeviceReport("h1", "v100", 60e12, 0.9e12, 32e9),
+        DeviceReport("h2", "a100", 150e12, 1.5e12, 40e9),
+    ]
+    coll = {p: (1e-5, 1e-10, []) for p in PRIMITIVES}
+    c = build_cluster(r, coll)
+    assert [(g.name, g.devices) for g in c.groups] == [("a100", 2), ("v100", 1), ("a100-2", 1)]
+    assert c.groups[0].flops == 140e12  # the slowest member: a synchronous program waits for it
+    assert c.devices() == ["a100", "a100", "v100", "a100-2"]  # rank order preserved
+    assert c.alpha_beta("all_gather").beta == 1e-10
+    assert Cluster.load(_roundtrip(c)).to_dict() == c.to_dict()
+
+
+def _roundtrip(c: Cluster) -> dict:
+    return tomllib_loads(c.to_toml())
+
+
+def _job(rank, world):
+    cluster, raw = profile(sizes=(1024, 65536, 262144), reps=2, gemm=128)
+    return cluster.to_toml(), raw["devices"][rank]["flops"]
+
+
+def test_profile_measures_a_live_group():
+    results = run_distributed(_job, 2)
+    assert results[0][0] == results[1][0]  # every rank builds the same cluster from shared numbers
+    cluster = Cluster.load(tomllib_loads(results[0][0]))
+    assert cluster.num_devices == 2 and cluster.groups[0].flops > 1e8
+    assert {p for p, _ in cluster.collectives} == set(PRIMITIVES)
+    assert all(ab.alpha >= 0 and ab.beta >= 0 for _, ab in cluster.collectives)
+    model, inputs = models.load("mlp")
+    plan = hapc.synthesize(model, cluster, inputs)  # the measured cluster is directly usable
+    assert len(plan.device_ratios) == 2
+
+
+def test_cli_profile_local_writes_a_cluster_file(tmp_path, capsys):
+    out = tmp_path / "c.toml"
+    assert (
+        main(["profile", "--local", "2", "--out", str(out), "--reps", "1", "--gemm", "64", "--sizes", "1KiB,64KiB"])
+        == 0
+    )
+    assert Cluster.load(str(out)).num_devices == 2
+    assert "all_reduce" in capsys.readouterr().out
+
+
+def test_cli_profile_outside_torchrun_says_how_to_start(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["profile"]) == 2
+    assert "torchrun" in capsys.readouterr().err
