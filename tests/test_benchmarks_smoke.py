@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("script", ["synth_time.py", "segmentation.py"])
+@pytest.mark.parametrize("script", ["synth_time.py", "segmentation.py", "runtime_overhead.py"])
 def test_benchmark_smoke(script, tmp_path):
     out = tmp_path / "out.json"
     proc = subprocess.run(

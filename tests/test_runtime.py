@@ -171,26 +171,46 @@ def test_forward_takes_the_global_batch_or_the_local_share():
         assert whole == pytest.approx(ref, rel=1e-12) and mine == pytest.approx(ref, rel=1e-12)
 
 
-def _accumulate(rank, world, cluster, plan, micro):
+def _accumulate(rank, world, cluster, plan, micro, set_to_none):
     model, inputs = models.load("gpt", dtype=F64)
     m = hapc.compile(model, cluster, inputs, plan=plan)
     opt = make_optimizer("sgd", m.parameters())
-    for _ in range(micro):  # the same batch twice: gradients add up
-        m(*inputs).backward()
-    grads = m.full_gradients()
-    opt.step()
-    return grads
+    out = []
+    for _ in range(2):  # two optimizer steps, each over `micro` backward passes of the same batch
+        opt.zero_grad(set_to_none=set_to_none)
+        for _ in range(micro):
+            m(*inputs).backward()
+        out.append(m.full_gradients())
+        opt.step()
+    out.append(m.full_state_dict())
+    return out
 
 
-def test_gradient_accumulation_over_backward_passes():
-    plan = _plan("gpt", cluster_of([5e9, 3e9, 2e9]), baseline="dp-cp")  # replicated params: grads synced
-    got = run_distributed(_accumulate, 3, cluster_of([5e9, 3e9, 2e9]), plan, 2)
+def _single_accumulate(micro, set_to_none):
     model, inputs = models.load("gpt", dtype=F64)
+    opt = make_optimizer("sgd", model.parameters())
+    out = []
     for _ in range(2):
-        model(*inputs).backward()
-    want = {k: p.grad for k, p in model.named_parameters()}
-    for grads in got:
-        assert_close(grads, want, F64, "accumulated grad")
+        opt.zero_grad(set_to_none=set_to_none)
+        for _ in range(micro):
+            model(*inputs).backward()
+        out.append({k: p.grad.clone() for k, p in model.named_parameters()})
+        opt.step()
+    out.append({k: v.clone() for k, v in model.state_dict().items()})
+    return out
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zeroed_in_place"])
+def test_gradient_accumulation_over_backward_passes(set_to_none):
+    """Replicated parameters' gradients are synced per backward; accumulating must still sum each
+    contribution once, whether gradients were dropped or zeroed in place (then they live in the
+    sync buckets)."""
+    cluster = cluster_of([5e9, 3e9, 2e9])
+    plan = _plan("gpt", cluster, baseline="dp-cp")
+    got = run_distributed(_accumulate, 3, cluster, plan, 2, set_to_none)
+    want = _single_accumulate(2, set_to_none)
+    for res in got:
+        assert_close(res, want, F64, "accumulated")
 
 
 # -- errors ---------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from ..theory.triples import Theory
 from .program import RankProgram
 
 BUCKET_BYTES = 25 * 2**20
+FIRST_BUCKET_BYTES = 25 * 2**20
 _MODE_SENSITIVE = (nn.modules.batchnorm._BatchNorm, nn.Dropout, nn.modules.dropout._DropoutNd)
 
 
@@ -94,6 +95,8 @@ class CompiledModule(nn.Module):
         missing = [n for n in names if n not in bound]
         if missing:
             raise TypeError(f"missing model input(s) {missing}")
+        if self.world > 1 and torch.is_grad_enabled():
+            self._prepare_accumulation()
         out = self.program(*[bound[n] for n in names])
         for key in self._counters:
             if key in self._unused:
@@ -149,42 +152,83 @@ class CompiledModule(nn.Module):
             if self.theory.graph[ref].kind == PARAM and lay.is_replicated and ref not in self.grad_complete:
                 params.append(self._tensor(attr))
         self._sync_params = params
-        # static buckets in reverse order of use (gradients arrive roughly backwards)
-        buckets: list[list[nn.Parameter]] = [[]]
-        size = 0
+        # static buckets in reverse order of use (gradients arrive roughly backwards), one dtype
+        # and device each; the first is small so that communication starts early (as DDP does)
+        buckets: list[list[nn.Parameter]] = []
+        size, cap = 0, FIRST_BUCKET_BYTES
         for p in reversed(params):
-            if size and size + p.numel() * p.element_size() > BUCKET_BYTES:
+            nbytes = p.numel() * p.element_size()
+            if (
+                not buckets
+                or (size and size + nbytes > cap)
+                or (p.dtype, p.device)
+                != (
+                    buckets[-1][0].dtype,
+                    buckets[-1][0].device,
+                )
+            ):
+                if buckets:
+                    cap = BUCKET_BYTES
                 buckets.append([])
                 size = 0
             buckets[-1].append(p)
-            size += p.numel() * p.element_size()
-        self._buckets = [b for b in buckets if b]
-        self._bucket_of = {id(p): i for i, b in enumerate(self._buckets) for p in b}
+            size += nbytes
+        self._buckets = buckets
+        self._bucket_of = {id(p): i for i, b in enumerate(buckets) for p in b}
+        self._sizes = [[p.numel() for p in b] for b in buckets]
+        self._view_of: dict[int, torch.Tensor | None] = {id(p): None for p in params}
+        self._flat: list[torch.Tensor | None] = [None] * len(buckets)  # allocated on first use
         self._carry: dict[int, torch.Tensor] = {}
+        self._stash_handles: list[Any] = []
         self._reset_sync()
         if self.world > 1:
             for p in params:
-                p.register_hook(self._stash_hook(p))
                 p.register_post_accumulate_grad_hook(self._on_grad)
 
-    def _stash_hook(self, p: nn.Parameter):
-        # Before a new gradient is accumulated into a replicated parameter, move the old (already
-        # summed) one aside: only the new Partial contribution is all-reduced, then the old is added
-        # back. Without this, gradient accumulation over several backward passes would sum the
-        # earlier, already complete gradients ``world`` times.
-        def stash(grad: torch.Tensor) -> torch.Tensor:
-            if p.grad is not None:
-                self._carry[id(p)] = p.grad
+    def _prepare_accumulation(self) -> None:
+        """Gradient accumulation: when replicated parameters already hold (summed) gradients, the
+        next backward must all-reduce only its new Partial contributions. A one-shot hook moves
+        each old gradient aside just before the new one is accumulated, and the sync adds it back.
+        Without this, earlier gradients would be summed ``world`` times. Nothing is registered
+        when gradients were zeroed with ``set_to_none`` (the default)."""
+        for h in self._stash_handles:
+            h.remove()
+        self._stash_handles = [p.register_hook(self._stash(p)) for p in self._sync_params if p.grad is not None]
+
+    def _stash(self, p: nn.Parameter):
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            if p.grad is not None and id(p) not in self._carry:
+                view = self._view_of.get(id(p))
+                # a gradient living in a bucket would be overwritten by the next sync: copy it out
+                self._carry[id(p)] = p.grad.clone() if p.grad is view else p.grad
                 p.grad = None
             return grad
 
-        return stash
+        return hook
+
+    def _restore_gradients(self) -> None:
+        for h in self._stash_handles:
+            h.remove()
+        self._stash_handles = []
+        for p in self._sync_params:
+            old = self._carry.pop(id(p), None)
+            if old is not None:
+                p.grad = old if p.grad is None else p.grad.add_(old)
 
     def _reset_sync(self) -> None:
         self._ready = [0] * len(self._buckets)
-        self._launched: list[tuple[Any, torch.Tensor, list[nn.Parameter]]] = []
+        self._launched: list[tuple[Any, int]] = []
         self._next = 0
         self._queued = False
+
+    def _bucket_buffer(self, b: int) -> torch.Tensor:
+        flat = self._flat[b]
+        if flat is None:
+            bucket = self._buckets[b]
+            flat = self._flat[b] = torch.empty(sum(self._sizes[b]), dtype=bucket[0].dtype, device=bucket[0].device)
+            for p, view in zip(bucket, torch.split(flat, self._sizes[b])):
+                self._view_of[id(p)] = view.view_as(p)
+        return flat
 
     def _on_grad(self, p: nn.Parameter) -> None:
         if not self._queued:
@@ -192,31 +236,40 @@ class CompiledModule(nn.Module):
             self._queued = True
         b = self._bucket_of[id(p)]
         self._ready[b] += 1
-        self._launch_ready()
+        if b == self._next and self._ready[b] == len(self._buckets[b]):
+            self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
-        # buckets go out in a fixed order so every rank issues the same all-reduces
+        # buckets go out in a fixed order so every rank issues the same all-reduces; one
+        # torch.cat per bucket keeps the per-parameter Python work to a counter
         while self._next < len(self._buckets) and (force or self._ready[self._next] == len(self._buckets[self._next])):
-            bucket = self._buckets[self._next]
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
-            self._launched.append((work, flat, bucket))
+            b = self._next
+            flat = self._bucket_buffer(b)
+            bucket = self._buckets[b]
+            if not any(p.grad is self._view_of[id(p)] for p in bucket):
+                torch.cat(
+                    [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in bucket], out=flat
+                )
+            else:  # gradients zeroed in place last step were accumulated right into the bucket
+                for p in bucket:
+                    view = self._view_of[id(p)]
+                    if p.grad is None:
+                        view.zero_()
+                    elif p.grad is not view:
+                        view.copy_(p.grad)
+            self._launched.append((dist.all_reduce(flat, group=self.group, async_op=True), b))
             self._next += 1
 
     def _finish_sync(self) -> None:
+        # Summed gradients stay in the bucket: each .grad becomes a view of it (no copy back, as
+        # DDP's gradient_as_bucket_view). The next backward overwrites the bucket, so a gradient
+        # tensor kept across steps must be cloned by whoever keeps it.
         self._launch_ready(force=True)
-        for work, flat, bucket in self._launched:
+        for work, b in self._launched:
             work.wait()
-            offset = 0
-            for p in bucket:
-                n = p.numel()
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                p.grad.copy_(flat[offset : offset + n].view_as(p))
-                old = self._carry.pop(id(p), None)
-                if old is not None:
-                    p.grad.add_(old)
-                offset += n
+            for p in self._buckets[b]:
+                p.grad = self._view_of[id(p)]
+        self._restore_gradients()
         self._reset_sync()
 
     def full_gradients(self) -> dict[str, torch.Tensor | None]:

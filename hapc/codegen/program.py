@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from .. import collectives as C
 from ..balance.rounding import bounds
@@ -104,6 +105,7 @@ class RankProgram:
         self._group: fx.Node | None = None
         self._device: fx.Node | None = None
         self._calls: dict[Any, fx.Node] = {}
+        self._grad_memo: dict[int, bool] = {}
 
     # -- per-rank numbers ---------------------------------------------------------------------------
     def sizes(self, ref: int, dim: int) -> list[int]:
@@ -113,9 +115,25 @@ class RankProgram:
         return bounds(self.sizes(ref, dim))[self.rank]
 
     def group(self) -> fx.Node:
-        if self._group is None:
-            self._group = self.graph.get_attr("group")
+        if self._group is None:  # defined up front: early-started collectives may need it anywhere
+            with self.graph.inserting_after(self._last_placeholder()):
+                self._group = self.graph.get_attr("group")
         return self._group
+
+    def _last_placeholder(self) -> fx.Node | None:
+        last = None
+        for n in self.graph.nodes:
+            if n.op == "placeholder":
+                last = n
+        return last
+
+    def _needs_grad(self, ref: int) -> bool:
+        """Whether a reference tensor depends on a parameter (so its collectives need autograd)."""
+        memo = self._grad_memo
+        if ref not in memo:
+            node = self.theory.graph[ref]
+            memo[ref] = node.kind == PARAM or any(self._needs_grad(o) for o in node.operands)
+        return memo[ref]
 
     def device(self) -> fx.Node:
         if self._device is None:
@@ -138,8 +156,80 @@ class RankProgram:
         if loss is None:
             raise RuntimeError("the plan has no loss instruction")
         g.output(loss)
+        self._fuse_linear_bias()
+        self._hoist_data_only()
         g.lint()
         return g
+
+    def _hoist_data_only(self) -> None:
+        """Move work that depends on the inputs alone (no parameter) to the top of the program.
+
+        Such values -- this rank's slice of the batch, token counts of a mean loss -- are then
+        ready early, and a collective on them (``all_reduce_start``) runs while the forward
+        computes; its ``wait`` stays where the value is used. Relative order is kept, so every
+        rank still issues its collectives in the same order."""
+        g = self.graph
+        params = {attr for attr, (ref, _) in self.state.items() if self.theory.graph[ref].kind == PARAM}
+        data_only: set[fx.Node] = set()
+        hoist: list[fx.Node] = []
+        for n in g.nodes:
+            if n.op == "placeholder" or (n.op == "get_attr" and n.target not in params):
+                data_only.add(n)
+                if n.op == "get_attr":
+                    hoist.append(n)
+            elif n.op in ("call_function", "call_method") and all(a in data_only for a in n.all_input_nodes):
+                data_only.add(n)
+                if n.target is not C.wait:
+                    hoist.append(n)
+        anchor = self._last_placeholder()
+        for n in hoist:
+            if anchor is None:  # a program without inputs: the top is the first node
+                first = next(iter(g.nodes))
+                if first is not n:
+                    first.prepend(n)
+            elif anchor.next is not n:
+                anchor.append(n)
+            anchor = n
+
+    def _local_len(self, attr: str, dim: int) -> int:
+        ref, lay = self.state[attr]
+        if lay.is_sharded and lay.dim == dim:
+            lo, hi = self.span(ref, dim)
+            return hi - lo
+        return self.theory.graph[ref].shape[dim]
+
+    def _fuse_linear_bias(self) -> None:
+        """``F.linear(x, w) + b`` -> ``F.linear(x, w, b)``.
+
+        Tracing splits ``nn.Linear`` into a matmul and a bias add so that a row-parallel linear can
+        add its bias after the reduction; where the plan adds it locally right away, the fused call
+        is what the single-device module runs (one ``addmm``, one kernel fewer each way)."""
+        g = self.graph
+        for add in list(g.nodes):
+            if add.op != "call_function" or add.target is not operator.add or len(add.args) != 2:
+                continue
+            for lin, bias in (add.args, add.args[::-1]):
+                if not (isinstance(lin, fx.Node) and isinstance(bias, fx.Node)):
+                    continue
+                if lin.op != "call_function" or lin.target is not F.linear or len(lin.args) != 2 or lin.kwargs:
+                    continue
+                if len(lin.users) != 1 or bias.op != "get_attr" or bias.target not in self.state:
+                    continue
+                weight = lin.args[1]
+                if not (isinstance(weight, fx.Node) and weight.op == "get_attr" and weight.target in self.state):
+                    continue
+                b_ref = self.state[bias.target][0]
+                b_node = self.theory.graph[b_ref]
+                if b_node.kind != PARAM or len(b_node.shape) != 1:
+                    continue
+                if self._local_len(bias.target, 0) != self._local_len(weight.target, 0):
+                    continue
+                with g.inserting_before(add):
+                    fused = g.call_function(F.linear, (lin.args[0], weight, bias))
+                add.replace_all_uses_with(fused)
+                g.erase_node(add)
+                g.erase_node(lin)
+                break
 
     def module(self, root: torch.nn.Module) -> fx.GraphModule:
         """The program over ``root``, which holds every tensor named in ``state`` plus ``group``
@@ -250,6 +340,12 @@ class RankProgram:
             out = g.call_function(
                 C.reduce_scatter, (x, d, self.sizes(node.index, d), self.group(), ins.variant), name=name
             )
+        elif ins.op == "all_reduce" and not self._needs_grad(node.index):
+            # data-only values (token counts of a sharded batch): start the all-reduce as soon as
+            # the value exists and wait where it is used, hiding its latency behind the forward
+            with g.inserting_after(x):
+                handle = g.call_function(C.all_reduce_start, (x, self.group()), name=f"{name}_start")
+            out = g.call_function(C.wait, (handle,), name=name)
         elif ins.op == "all_reduce":
             out = g.call_function(C.all_reduce, (x, self.group()), name=name)
         elif ins.op == "all_to_all":

@@ -11,12 +11,24 @@ from .fused import (
     sfb_linear,
     sync_batch_norm,
 )
-from .ops import all_gather, all_reduce, all_to_all, global_value, grad_scale, reduce_scatter
+from .ops import (
+    Pending,
+    all_gather,
+    all_reduce,
+    all_reduce_start,
+    all_to_all,
+    global_value,
+    grad_scale,
+    reduce_scatter,
+    wait,
+)
 from .shards import take_shard, take_whole
 
 __all__ = [
+    "Pending",
     "all_gather",
     "all_reduce",
+    "all_reduce_start",
     "all_to_all",
     "global_value",
     "grad_scale",
@@ -29,4 +41,5 @@ __all__ = [
     "sync_batch_norm",
     "take_shard",
     "take_whole",
+    "wait",
 ]

@@ -223,3 +223,29 @@ def global_value(partial: torch.Tensor, group: Group = None) -> torch.Tensor:
     total = partial.detach().clone()
     dist.all_reduce(total, group=group)
     return partial + (total - partial.detach())
+
+
+class Pending:
+    """An all-reduce in flight (:func:`all_reduce_start`); :func:`wait` yields its result."""
+
+    __slots__ = ("tensor", "work")
+
+    def __init__(self, tensor: torch.Tensor, work: dist.Work | None):
+        self.tensor, self.work = tensor, work
+
+
+def all_reduce_start(x: torch.Tensor, group: Group = None) -> Pending:
+    """Start ``all_reduce`` of a tensor that needs no gradient (data-derived values such as token
+    counts) without waiting for it."""
+    if x.requires_grad:
+        raise RuntimeError("all_reduce_start is for tensors without gradients; use all_reduce")
+    out = x.detach().contiguous().clone()
+    return Pending(out, dist.all_reduce(out, group=group, async_op=True))
+
+
+def wait(pending: Pending) -> torch.Tensor:
+    """The result of a started collective (blocks until it has arrived)."""
+    if pending.work is not None:
+        pending.work.wait()
+        pending.work = None
+    return pending.tensor
