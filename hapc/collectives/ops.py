@@ -14,8 +14,9 @@ forward                layouts                     backward (adjoint)
 
 Shards are uneven: ``sizes[r]`` is rank ``r``'s length along the sharded dim. gloo's and NCCL's
 all-gather and reduce-scatter need equal sizes, so the *padded* variant pads every shard to the
-largest and trims after; the *grouped* variant sends each shard with its own broadcast / reduce
-(HAP Fig. 3). All-to-all packs the pieces into one flat buffer per rank and uses
+largest and trims after, packing and unpacking the blocks in one pass
+(:mod:`hapc.collectives.pack`, Triton kernels on GPU); the *grouped* variant sends each shard
+with its own broadcast / reduce (HAP Fig. 3). All-to-all packs the pieces into one flat buffer per rank and uses
 ``all_to_all_single`` with split sizes, which both backends support unevenly. The semantics match
 ``hapc.theory.simulate`` exactly; the tests check one against the other.
 """
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..balance.rounding import bounds
+from .pack import pack, unpack
 
 Group = dist.ProcessGroup | None
 
@@ -42,6 +44,15 @@ def _pad(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = length - x.shape[dim]
     return torch.cat([x, x.new_zeros(shape)], dim=dim).contiguous()
+
+
+# torch 2.13 names them *_single; older releases *_into_tensor / *_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
+    _reduce_scatter_flat(out, inp, op=dist.ReduceOp.SUM, group=group)
 
 
 def _global_rank(group: Group, r: int) -> int:
@@ -61,11 +72,14 @@ def gather_impl(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Group, v
             dist.broadcast(buf, src=_global_rank(group, r), group=group)
             parts.append(buf)
         return torch.cat(parts, dim=dim)
-    big = max(sizes)
+    # padded: every rank contributes a block of the largest shard's size into one flat buffer
+    m, big = len(sizes), max(sizes)
     local = _pad(x, dim, big)
-    bufs = [torch.empty_like(local) for _ in sizes]
-    dist.all_gather(bufs, local, group=group)
-    return torch.cat([b.narrow(dim, 0, n) for b, n in zip(bufs, sizes)], dim=dim)
+    buf = local.new_empty(m * local.numel())
+    _all_gather_single(buf, local.reshape(-1), group)
+    shape = list(x.shape)
+    shape[dim] = sum(sizes)
+    return unpack(buf, dim, sizes, shape)
 
 
 def scatter_impl(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Group, variant: str) -> torch.Tensor:
@@ -80,11 +94,12 @@ def scatter_impl(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Group, 
             if r == me:
                 out = piece
         return out
-    big = max(sizes)
-    pieces = [_pad(x.narrow(dim, lo, hi - lo), dim, big) for lo, hi in bounds(sizes)]
-    out = torch.empty_like(pieces[0])
-    dist.reduce_scatter(out, pieces, op=dist.ReduceOp.SUM, group=group)
-    return out.narrow(dim, 0, sizes[me])
+    packed = pack(x, dim, sizes)  # [m, outer, M, inner]: rank r's slice, zero-padded
+    out = packed.new_empty(packed[0].shape)
+    _reduce_scatter_single(out.view(-1), packed.view(-1), group)
+    shape = list(x.shape)
+    shape[dim] = max(sizes)
+    return out.view(shape).narrow(dim, 0, sizes[me])
 
 
 def reduce_impl(x: torch.Tensor, group: Group) -> torch.Tensor:
