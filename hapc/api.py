@@ -202,6 +202,8 @@ def compile(
     group: Any = None,
     device: Any = None,
     leaf_modules: Sequence[type] = (),
+    seed: int = 0,
+    init: Any = None,
     **options: Any,
 ) -> Any:
     """This rank's part of ``model`` under ``plan`` (synthesized here when not given).
@@ -217,6 +219,10 @@ def compile(
             cluster and the world size.
         group: the process group to run on (default: the whole job).
         device: where this rank's shards live (default: ``cuda:current`` under NCCL, else CPU).
+        seed / init: for a model built on the meta device (too large for one host): each module's
+            parameters are drawn by its ``reset_parameters()`` seeded by ``(seed, module name)``
+            (or by ``init(name, tensor)``) and only this rank's slices are kept; the same values
+            as :func:`hapc.materialize.materialize` gives a single-device copy.
         options: for synthesis when no plan is given -- ``segments``, ``rounds``, ``solver``,
             ``memory``, ``baseline``, ``ratios`` (see :func:`synthesize`) and the theory options
             ``sfb``, ``variants``, ``param_comm``, ``strict`` (see :func:`hapc.derive`).
@@ -259,7 +265,7 @@ def compile(
     if plan is None:
         plan = _agree_on_plan(theory, cluster, group, options, theory_opts)
     plan.check(graph=graph, cluster=cluster, world_size=world)
-    return CompiledModule(model, theory, plan, group=group, device=device)
+    return CompiledModule(model, theory, plan, group=group, device=device, seed=seed, init=init)
 
 
 SYNTH_OPTIONS = ("segments", "rounds", "solver", "memory", "baseline", "ratios")

@@ -255,3 +255,44 @@ def _eval_job(rank, world):
 def test_switching_train_eval_on_a_batch_norm_model_is_refused():
     with pytest.raises(HapcError, match=r"compile the model again after model\.eval"):
         run_distributed(_eval_job, 2, timeout=30)
+
+
+# -- models built on the meta device -------------------------------------------------------------
+
+
+def _meta_job(rank, world, cluster, plan):
+    _, inputs = models.load("gpt", dtype=F64)
+    model, _ = models.load("gpt", dtype=F64, device="meta")
+    m = hapc.compile(model, cluster, inputs, plan=plan, seed=5)
+    loss = m(*inputs)
+    loss.backward()
+    local_bytes = sum(p.numel() for p in m.parameters())
+    return m.full_state_dict(), loss.item(), m.full_gradients(), local_bytes
+
+
+def test_meta_models_are_initialised_per_shard():
+    """No rank ever holds the whole model: it draws one module at a time and keeps its slices;
+    the result is exactly a slicing of the single-device model materialize() gives."""
+    from hapc.materialize import materialize
+
+    cluster = SLOW3
+    plan = _plan("gpt", cluster)
+    got = run_distributed(_meta_job, 3, cluster, plan)
+    model, _ = models.load("gpt", dtype=F64, device="meta")
+    materialize(model, seed=5)
+    _, inputs = models.load("gpt", dtype=F64)
+    loss = model(*inputs)
+    loss.backward()
+    total = sum(p.numel() for p in model.parameters())
+    for state, value, grads, local in got:
+        for k, v in model.state_dict().items():
+            assert torch.equal(state[k], v), k
+        assert value == pytest.approx(loss.item(), rel=1e-12)
+        assert_close(grads, {k: p.grad for k, p in model.named_parameters()}, F64, "grad")
+        assert local < total  # tensor-parallel pieces: each rank holds less than the model
+    model2, _ = models.load("gpt", dtype=F64, device="meta")
+    assert torch.equal(materialize(model2, seed=5).state_dict()["wte.weight"], model.state_dict()["wte.weight"])
+    assert not torch.equal(
+        materialize(models.load("gpt", dtype=F64, device="meta")[0], seed=6).state_dict()["wte.weight"],
+        model.state_dict()["wte.weight"],
+    )

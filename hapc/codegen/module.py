@@ -2,7 +2,8 @@
 conversion between the sharded state and an ordinary single-device ``state_dict``.
 
 * Parameters are sliced from the single-device model by the layout the plan sources them in
-  (``S(d)``: this rank's rows by the ratios; ``R``: whole).
+  (``S(d)``: this rank's rows by the ratios; ``R``: whole). A model built on the meta device is
+  materialised one module at a time and only this rank's slices are kept (:mod:`hapc.materialize`).
 * Replicated parameters end the backward with *Partial* gradients (DESIGN §3); they are summed
   across ranks in buckets whose all-reduces start while the backward is still running (as DDP
   does), and complete before ``loss.backward()`` returns. Parameters whose gradient a strategy
@@ -23,6 +24,7 @@ from torch import nn
 from ..checkpoint import load_param_groups
 from ..collectives.ops import gather_impl
 from ..errors import HapcError
+from ..materialize import Init, module_values, owner
 from ..plan import Plan
 from ..theory.graph import PARAM
 from ..theory.props import Layout
@@ -47,6 +49,8 @@ class CompiledModule(nn.Module):
         *,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
+        seed: int = 0,
+        init: Init | None = None,
     ):
         super().__init__()
         self.group = group
@@ -72,11 +76,12 @@ class CompiledModule(nn.Module):
             for q, mod in model.named_modules()
             if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.training and mod.track_running_stats
         ]
+        values = _Materializer(model, seed, init)
         for attr, (ref, lay) in rp.state.items():
             node = theory.graph[ref]
             if node.target not in full:
                 raise KeyError(f"the model has no parameter or buffer {node.target!r} (node {node.name})")
-            local = self._slice(full[node.target].detach(), ref, lay).to(self.device).clone()
+            local = self._slice(values(node.target, full[node.target]), ref, lay).to(self.device).clone()
             if node.kind == PARAM:
                 root.register_parameter(attr, nn.Parameter(local, requires_grad=True))
             else:
@@ -84,7 +89,8 @@ class CompiledModule(nn.Module):
             self._layouts[attr] = (ref, lay)
         self.program = rp.module(root)
         self.grad_complete = rp.grad_complete
-        self._unused = {k: v.detach().cpu().clone() for k, v in full.items() if k not in self._targets()}
+        targets = self._targets()
+        self._unused = {k: values(k, v).cpu().clone() for k, v in full.items() if k not in targets}
         self._setup_grad_sync()
 
     # -- running ------------------------------------------------------------------------------------
@@ -355,6 +361,24 @@ class CompiledModule(nn.Module):
                     local[k] = v
             optimizer.state[p] = local
         load_param_groups(optimizer, full.get("param_groups", []))
+
+
+class _Materializer:
+    """Full values of the model's tensors; meta ones are drawn one module at a time
+    (:mod:`hapc.materialize`), keeping only the current module's in memory."""
+
+    def __init__(self, model: nn.Module, seed: int, init: Init | None):
+        self.model, self.seed, self.init = model, seed, init
+        self._qual: str | None = None
+        self._values: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_meta:
+            return tensor.detach()
+        qual, module = owner(self.model, name)
+        if qual != self._qual:
+            self._qual, self._values = qual, module_values(module, qual, self.seed, self.init)
+        return self._values[name]
 
 
 def _default_device(group: dist.ProcessGroup | None) -> torch.device:
