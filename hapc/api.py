@@ -257,6 +257,7 @@ def compile(
             f"start {cluster.num_devices} processes or describe the {world} you have"
         )
     graph = trace(model, example_inputs, leaf_modules=leaf_modules)
+    _refuse_random_ops(graph, world)
     theory_opts = {"sfb": True, "variants": ("padded", "grouped"), "param_comm": False, "strict": False}
     source = plan.options if plan is not None else options
     theory_opts.update({k: source[k] for k in THEORY_OPTIONS if k in source})
@@ -266,6 +267,23 @@ def compile(
         plan = _agree_on_plan(theory, cluster, group, options, theory_opts)
     plan.check(graph=graph, cluster=cluster, world_size=world)
     return CompiledModule(model, theory, plan, group=group, device=device, seed=seed, init=init)
+
+
+RANDOM_OPS = ("dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d")
+
+
+def _refuse_random_ops(graph: Any, world: int) -> None:
+    """Random ops would draw different values on different ranks, so a replicated tensor would
+    stop being replicated: refuse rather than train a silently different model."""
+    if world == 1:
+        return
+    for n in graph:
+        if n.op in RANDOM_OPS and (len(n.args) < 3 or n.args[2]) and (len(n.args) < 2 or n.args[1]):
+            raise HapcError(
+                f"{n.op} in training mode at {n.name} ({n.source or 'model'}): hapc does not yet draw "
+                "rank-consistent random masks, so replicas would diverge; compile with dropout p=0 "
+                "(or the model in eval mode)"
+            )
 
 
 SYNTH_OPTIONS = ("segments", "rounds", "solver", "memory", "baseline", "ratios")

@@ -120,8 +120,11 @@ class CompiledModule(nn.Module):
 
     @property
     def code(self) -> str:
-        """This rank's program as Python source."""
-        return self.program.code
+        """This rank's program as readable Python source (what ``hapc synth --emit-code`` writes;
+        ``self.program.code`` is the raw ``torch.fx`` rendering of the same graph)."""
+        from .emit import rank_source
+
+        return rank_source(self.theory, self.plan, self.rank)
 
     def local_parameters(self) -> dict[str, nn.Parameter]:
         return dict(self.program.named_parameters())
