@@ -32,11 +32,8 @@ def _optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
 
 
-def _train_distributed(rank: int, world: int, factory: Any, cluster: Cluster, plan: Any, steps: int) -> dict:
-    from .api import compile as hapc_compile
-
-    model, inputs = factory()
-    module = hapc_compile(model, cluster, inputs, plan=plan)
+def _train(module: Any, inputs: Any, steps: int) -> tuple[list[float], list[float]]:
+    """``steps`` AdamW steps on one batch: (losses, seconds per step)."""
     opt = _optimizer(module.parameters())
     losses, times = [], []
     for _ in range(steps):
@@ -47,21 +44,21 @@ def _train_distributed(rank: int, world: int, factory: Any, cluster: Cluster, pl
         opt.step()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
+    return losses, times
+
+
+def _train_distributed(rank: int, world: int, factory: Any, cluster: Cluster, plan: Any, steps: int) -> dict:
+    from .api import compile as hapc_compile
+
+    model, inputs = factory()
+    module = hapc_compile(model, cluster, inputs, plan=plan)
+    losses, times = _train(module, inputs, steps)
     return {"losses": losses, "times": times, "state": module.full_state_dict()}
 
 
 def _train_single(factory: Any, steps: int) -> dict:
     model, inputs = factory()
-    opt = _optimizer(model.parameters())
-    losses, times = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        loss = model(*inputs)
-        loss.backward()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
+    losses, times = _train(model, inputs, steps)
     return {"losses": losses, "times": times, "state": model.state_dict()}
 
 

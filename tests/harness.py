@@ -28,23 +28,28 @@ def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
+def train(module: Any, inputs: Any, first: float, steps: int, opt: str) -> tuple[list[float], Any]:
+    """``steps`` optimizer steps on one batch; the first backward (loss ``first``) is done."""
+    optimizer = make_optimizer(opt, module.parameters())
+    losses = [first]
+    optimizer.step()
+    for _ in range(steps - 1):
+        optimizer.zero_grad()
+        loss = module(*inputs)
+        loss.backward()
+        losses.append(loss.detach().item())
+        optimizer.step()
+    return losses, optimizer
+
+
 def _distributed_job(rank: int, world: int, alias: str, mkw: dict, cluster: Any, plan: Any, steps: int, opt: str):
     model, inputs = models.load(alias, **mkw)
     m = hapc.compile(model, cluster, inputs, plan=plan)
     loss = m(*inputs)
     loss.backward()
     first = (loss.detach().item(), m.full_gradients())
-    optimizer = make_optimizer(opt, m.parameters())
-    losses = []
-    for step in range(steps):
-        if step:
-            optimizer.zero_grad()
-            loss = m(*inputs)
-            loss.backward()
-        losses.append(loss.detach().item())
-        optimizer.step()
-    state = m.full_state_dict(optimizer)
-    return {"loss": first[0], "grads": first[1], "losses": losses, "state": state}
+    losses, optimizer = train(m, inputs, first[0], steps, opt)
+    return {"loss": first[0], "grads": first[1], "losses": losses, "state": m.full_state_dict(optimizer)}
 
 
 def single_device(alias: str, mkw: dict, steps: int, opt: str) -> dict[str, Any]:
@@ -52,17 +57,13 @@ def single_device(alias: str, mkw: dict, steps: int, opt: str) -> dict[str, Any]
     loss = model(*inputs)
     loss.backward()
     grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
-    first = loss.item()
-    optimizer = make_optimizer(opt, model.parameters())
-    losses = []
-    for step in range(steps):
-        if step:
-            optimizer.zero_grad()
-            loss = model(*inputs)
-            loss.backward()
-        losses.append(loss.item())
-        optimizer.step()
-    return {"loss": first, "grads": grads, "losses": losses, "state": hapc.checkpoint.full_state(model, optimizer)}
+    losses, optimizer = train(model, inputs, loss.item(), steps, opt)
+    return {
+        "loss": loss.item(),
+        "grads": grads,
+        "losses": losses,
+        "state": hapc.checkpoint.full_state(model, optimizer),
+    }
 
 
 def assert_close(got: Any, want: Any, dtype: torch.dtype, what: str) -> None:
