@@ -5,8 +5,9 @@ blocks so that machine noise hits both alike:
 
 * **data parallel**: hapc's pure data-parallel plan of a GPT vs
   ``torch.nn.parallel.DistributedDataParallel`` on the same model, batch and optimizer. hapc's
-  module returns the global loss on every rank (one scalar all-reduce per step); the second row
-  gives DDP the same all-reduce, which a DDP user needs to log that loss;
+  module returns the global loss on every rank (one scalar all-reduce per step, overlapped with
+  backward: :class:`hapc.collectives.GlobalLoss`); the second row gives DDP the plain blocking
+  all-reduce a DDP user writes to log that loss;
 * **tensor parallel**: hapc's plan of a transformer MLP block on a slow link (it picks Megatron's
   column/row sharding, checked) vs the same sharding written with
   ``torch.distributed.tensor.parallel`` (``ColwiseParallel`` + ``RowwiseParallel``).

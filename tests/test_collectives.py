@@ -159,3 +159,27 @@ def _shape_error_job(rank, world):
 def test_wrong_shard_size_is_an_error():
     with pytest.raises(Exception, match="local shard has 4 on dim 0, expected 3"):
         run_distributed(_shape_error_job, 2, timeout=20)
+
+
+def _global_loss_job(rank, world):
+    x = torch.tensor(float(rank + 1), dtype=torch.float64, requires_grad=True)
+    out = {"item": C.global_value(x * 2).item()}  # read before backward: waits for the value
+    loss = C.global_value(x * 3)
+    loss.backward()  # backward first: the all-reduce overlaps with it
+    out["grad"], out["after_backward"] = x.grad.item(), loss.item()
+    out["float"], out["format"] = float(C.global_value(x * 1)), f"{C.global_value(x * 1):.1f}"
+    doubled = C.global_value(x * 1) * 2
+    out["op"] = (type(doubled) is torch.Tensor, doubled.item())
+    out["stack"] = torch.stack([C.global_value(x * 1), C.global_value(x * 1)]).tolist()
+    return out
+
+
+def test_global_loss_value_is_the_sum_and_its_gradient_the_summand():
+    world = 3
+    total = sum(range(1, world + 1))
+    for r in run_distributed(_global_loss_job, world):
+        assert r["item"] == 2 * total and r["after_backward"] == 3 * total
+        assert r["grad"] == 3.0  # this rank's summand only: the partial-gradient convention
+        assert r["float"] == total and r["format"] == f"{total:.1f}"
+        assert r["op"] == (True, 2 * total)  # results of operations are plain tensors
+        assert r["stack"] == [total, total]

@@ -12,6 +12,7 @@ from .fused import (
     sync_batch_norm,
 )
 from .ops import (
+    GlobalLoss,
     Pending,
     all_gather,
     all_reduce,
@@ -25,6 +26,7 @@ from .ops import (
 from .shards import take_shard, take_whole
 
 __all__ = [
+    "GlobalLoss",
     "Pending",
     "all_gather",
     "all_reduce",

@@ -234,10 +234,65 @@ def grad_scale(x: torch.Tensor, factor: float) -> torch.Tensor:
 
 def global_value(partial: torch.Tensor, group: Group = None) -> torch.Tensor:
     """A Partial scalar whose *value* is the sum over ranks but whose gradient flows to this
-    rank's summand unchanged: what the loss of a program returns, so every rank reports the loss."""
+    rank's summand unchanged: what the loss of a program returns, so every rank reports the loss.
+
+    The sum is all-reduced in the background (a blocking all-reduce here would synchronise the
+    ranks in the middle of every step); the result is a :class:`GlobalLoss` that waits for it on
+    first use, or after ``backward()`` -- which therefore overlaps with it."""
     total = partial.detach().clone()
-    dist.all_reduce(total, group=group)
-    return partial + (total - partial.detach())
+    work = dist.all_reduce(total, group=group, async_op=True)
+    out = partial.clone().as_subclass(GlobalLoss)  # clone: the value is overwritten on arrival
+    out._hapc_pending = (work, total)
+    return out
+
+
+class GlobalLoss(torch.Tensor):
+    """The loss a program returns while the all-reduce of its value is in flight.
+
+    To autograd it is this rank's Partial summand (``backward()`` seeds this rank's share of the
+    gradient); its value becomes the sum over ranks before anything can read it: every torch
+    operation on it (``item()``, ``print``, arithmetic, ``detach()``...) first waits for the
+    all-reduce and writes the global value in place. ``loss.backward()`` runs the backward pass
+    first, so the all-reduce hides behind it. Results of operations are plain tensors.
+
+    >>> loss = module(*batch)        # doctest: +SKIP
+    >>> loss.backward()              # the loss all-reduce overlaps with backward
+    >>> loss.item()                  # the global loss, on every rank
+    """
+
+    _hapc_pending: tuple[dist.Work | None, torch.Tensor] | None
+
+    def _hapc_resolve(self) -> None:
+        pending = self.__dict__.pop("_hapc_pending", None)
+        if pending is None:
+            return
+        work, total = pending
+        if work is not None:
+            work.wait()
+        with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
+            self.copy_(total)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.Tensor.backward:
+            _resolve_losses(args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            plain = tuple(a.as_subclass(torch.Tensor) if isinstance(a, GlobalLoss) else a for a in args)
+            out = func(*plain, **kwargs)  # plain tensors: ``Tensor.__format__`` & co. check the type
+        if func is torch.Tensor.backward:
+            _resolve_losses(args, kwargs)
+        return out
+
+
+def _resolve_losses(*trees: object) -> None:
+    for x in trees:
+        if isinstance(x, GlobalLoss):
+            x._hapc_resolve()
+        elif isinstance(x, (list, tuple)):
+            _resolve_losses(*x)
+        elif isinstance(x, dict):
+            _resolve_losses(*x.values())
 
 
 class Pending:
