@@ -10,6 +10,7 @@ A cluster is plain data, loaded from TOML (or built in Python, or a named preset
     flops = "156 TFLOPS"        # sustained flop/s of one device for the model's dtype
     memory = "40 GiB"
     mem_bandwidth = "1.5 TB/s"  # optional: memory-bound ops are charged bytes / bandwidth
+    op_overhead = "5 us"        # optional: framework work per operator launch (hapc profile)
     [[group]]
     name = "v100"
     devices = 4
@@ -108,6 +109,8 @@ class Group:
     memory: float
     devices_per_host: int = 1
     mem_bandwidth: float | None = None
+    op_overhead: float | None = None  # seconds of framework work per operator launch (hapc profile)
+    intra_host: Link | None = None  # this group's links inside a host, when not the cluster's
 
     @property
     def hosts(self) -> int:
@@ -136,6 +139,7 @@ class DeviceType:
     mem_bandwidth: float | None = None
     inner: int = 1  # physical devices inside one virtual device (data parallel)
     inner_link: Link | None = None
+    op_overhead: float = 0.0  # seconds per operator launch, forward or backward
 
 
 @dataclass(frozen=True)
@@ -185,7 +189,7 @@ class Cluster:
         groups = []
         for i, g in enumerate(groups_data):
             where = f"group {g.get('name', i)!r}"
-            _check_keys(g, {"name", "devices", "flops", "memory", "devices_per_host", "mem_bandwidth"}, where)
+            _check_keys(g, GROUP_KEYS, where)
             for req in ("name", "devices", "flops", "memory"):
                 if req not in g:
                     raise ClusterError(f"{where}: missing field {req!r}")
@@ -198,7 +202,9 @@ class Cluster:
             flops = _positive(g["flops"], f"{where}: flops")
             memory = _positive(g["memory"], f"{where}: memory")
             mbw = _positive(g["mem_bandwidth"], f"{where}: mem_bandwidth") if "mem_bandwidth" in g else None
-            groups.append(Group(str(g["name"]), devices, flops, memory, dph, mbw))
+            ovh = _non_negative(g["op_overhead"], f"{where}: op_overhead") if "op_overhead" in g else None
+            own = _link(g["intra_host"], f"{where}: intra_host") if "intra_host" in g else None
+            groups.append(Group(str(g["name"]), devices, flops, memory, dph, mbw, ovh, own))
         names = [g.name for g in groups]
         if len(set(names)) != len(names):
             raise ClusterError(f"cluster: group names must be unique, got {names}")
@@ -260,7 +266,12 @@ class Cluster:
         lines.append("")
         for g in d["group"]:
             lines.append("[[group]]")
-            lines += [f"{k} = {json.dumps(v)}" for k, v in g.items()]
+            for k, v in g.items():
+                if isinstance(v, dict):  # a link: an inline table
+                    v = "{ " + ", ".join(f"{a} = {b!r}" for a, b in v.items()) + " }"
+                    lines.append(f"{k} = {v}")
+                else:
+                    lines.append(f"{k} = {json.dumps(v)}")
             lines.append("")
         lines.append("[links]")
         for k in ("intra_host", "inter_host"):
@@ -296,13 +307,14 @@ class Cluster:
         """The (virtual) device types the synthesizer balances, one per group."""
         out = []
         for g in self.groups:
+            ovh = g.op_overhead or 0.0
             if self.virtual == "host":
                 inner = g.devices_per_host
                 out.append(
-                    DeviceType(g.name, g.hosts, g.flops * inner, g.memory, g.mem_bandwidth, inner, self.intra_host)
+                    DeviceType(g.name, g.hosts, g.flops * inner, g.memory, g.mem_bandwidth, inner, self.intra_host, ovh)
                 )
             else:
-                out.append(DeviceType(g.name, g.devices, g.flops, g.memory, g.mem_bandwidth))
+                out.append(DeviceType(g.name, g.devices, g.flops, g.memory, g.mem_bandwidth, op_overhead=ovh))
         return out
 
     def devices(self) -> list[str]:
@@ -313,7 +325,8 @@ class Cluster:
         """The slowest link a ring over the devices of ``groups`` (default: all) crosses."""
         gs = [g for g in self.groups if groups is None or g.name in groups]
         one_host = sum(g.hosts for g in gs) == 1 and self.virtual == "gpu"
-        link = self.intra_host if one_host else self.inter_host
+        # one host holds one group's devices: that group's own intra-host links, if it has them
+        link = (gs[0].intra_host or self.intra_host) if one_host else self.inter_host
         names = {g.name for g in gs}
         for pair, between in self.between:
             if pair <= names and between.bandwidth < link.bandwidth:
@@ -362,6 +375,9 @@ def derived_alpha_beta(primitive: str, m: int, link: Link) -> AlphaBeta:
     if primitive == "all_to_all":
         return AlphaBeta((m - 1) * lat, (m - 1) / bw)
     raise ClusterError(f"unknown collective primitive {primitive!r}")
+
+
+GROUP_KEYS = {"name", "devices", "flops", "memory", "devices_per_host", "mem_bandwidth", "op_overhead", "intra_host"}
 
 
 def _check_keys(data: Any, allowed: set[str], where: str) -> None:

@@ -3,14 +3,29 @@
 Run under ``torchrun`` (one process per device), or with ``--local N`` for N local gloo
 processes. Every rank measures
 
-* its sustained matrix-multiply rate (``flops``: ``2 n^3 / t`` of an ``n x n`` GEMM, median of
-  several runs, in the dtype asked for),
+* its sustained matrix-multiply rate (``flops``: ``2 n^3 / t`` of an ``n x n`` GEMM, in the
+  dtype asked for),
 * its memory bandwidth (``2 * bytes / t`` of a large copy) and memory capacity,
+* its per-operator overhead (``op_overhead``): the framework's fixed work per operator launch
+  (Python, dispatch, autograd bookkeeping), from the forward + backward time of a chain of ``k``
+  tiny operators in a transformer layer's mix (linear, gelu, add, layer norm), ``t / 2k`` (one
+  forward and one backward launch each).
+  The cost model charges it per computing triple and direction; it dominates small models on CPUs.
 
 and together they time every collective primitive at several message sizes and fit
 ``t = alpha + beta * x`` by least squares, with ``x`` in the cost model's convention
 (:mod:`hapc.theory.cost`): the per-rank shard for all-gather and reduce-scatter, the message for
 broadcast and reduce, the whole tensor for all-reduce, each rank's send buffer for all-to-all.
+The fit minimises *relative* residuals ``sum ((alpha + beta x_i - t_i) / t_i)^2``, so the small
+messages (where alpha dominates, and where most of a small model's collectives fall) are fitted
+as well as the large ones. By default each timed collective follows a barrier (the collective
+alone); ``gap > 0`` times it after ``gap`` seconds of computation on every rank instead, as it
+runs inside a program -- on a host whose cores are shared, a rank then also waits for its peers
+to be scheduled, which the barrier hides (``benchmarks/fidelity.py`` measures the difference).
+
+Device numbers are medians of loops lasting ``window`` seconds that every rank runs at once
+between two barriers: ranks sharing a host's cores (``--local N`` on a CPU) are thus measured at
+the speed a synchronous program gets from them, waiting for the slowest included.
 
 Ranks are grouped into device groups by runs of consecutive ranks on the same kind of device
 (so rank order matches the cluster's device order, as plans require); a group's flops is the
@@ -20,6 +35,7 @@ returns the :class:`Cluster`. Only tensors travel between ranks (no pickled obje
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import statistics
@@ -31,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from .cluster import PRIMITIVES, Cluster
 from .errors import HapcError
@@ -48,6 +65,7 @@ class DeviceReport:
     flops: float
     mem_bandwidth: float
     memory: float
+    op_overhead: float = 0.0
 
 
 def _sync(device: torch.device) -> None:
@@ -69,18 +87,78 @@ def _median_time(fn: Callable[[], Any], device: torch.device, reps: int, barrier
     return statistics.median(times)
 
 
-def measure_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024, reps: int = 5) -> float:
-    """Sustained flop/s of an ``n x n @ n x n`` matrix multiply."""
+def _loop_time(fn: Callable[[], Any], device: torch.device, reps: int, window: float, synced: bool) -> float:
+    """Seconds per call of ``fn``: the median over ``reps`` of a loop of calls lasting ``window``.
+
+    ``synced``: every rank runs the same number of calls between two barriers, so the time
+    includes waiting for the slowest rank -- what a synchronous program sees when its ranks
+    share a host's cores (one rank's compute then runs while another waits in a collective)."""
+    fn()  # warm-up
+    n = max(1, math.ceil(window / max(_median_time(fn, device, 3), 1e-9))) if window > 0 else 1
+    if synced:
+        count = torch.tensor([n], dtype=torch.int64, device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        n = int(count.item())
+    times = []
+    for _ in range(reps):
+        if synced:
+            dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        _sync(device)
+        if synced:
+            dist.barrier()
+        times.append((time.perf_counter() - t0) / n)
+    return statistics.median(times)
+
+
+def measure_flops(
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    n: int = 1024,
+    reps: int = 5,
+    *,
+    window: float = 0.0,
+    synced: bool = False,
+) -> float:
+    """Sustained flop/s of an ``n x n @ n x n`` matrix multiply (``window``/``synced``: see
+    :func:`_loop_time`; the default times single calls)."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    return 2 * n**3 / _median_time(lambda: a @ b, device, reps)
+    return 2 * n**3 / _loop_time(lambda: a @ b, device, reps, window, synced)
 
 
-def measure_mem_bandwidth(device: torch.device, nbytes: int = 2**26, reps: int = 5) -> float:
+def measure_mem_bandwidth(
+    device: torch.device, nbytes: int = 2**26, reps: int = 5, *, window: float = 0.0, synced: bool = False
+) -> float:
     """Bytes/s of a large device-to-device copy (read + write)."""
     src = torch.empty(nbytes // 4, device=device, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _median_time(lambda: dst.copy_(src), device, reps)
+    return 2 * nbytes / _loop_time(lambda: dst.copy_(src), device, reps, window, synced)
+
+
+def measure_op_overhead(
+    device: torch.device, ops: int = 64, reps: int = 7, *, window: float = 0.0, synced: bool = False
+) -> float:
+    """Seconds per operator launch: forward + backward of ``ops`` chained tiny operators, in a
+    transformer layer's mix (linear, gelu, residual add, layer norm on a ``2 x 8`` tensor, with
+    parameter gradients), over ``2 ops`` (one forward and one backward launch each)."""
+    x = torch.ones(2, 8, device=device, requires_grad=True)
+    w = torch.full((8, 8), 0.1, device=device, requires_grad=True)
+    b = torch.zeros(8, device=device, requires_grad=True)
+    gamma = torch.ones(8, device=device, requires_grad=True)
+    beta = torch.zeros(8, device=device, requires_grad=True)
+    layers = max(1, ops // 4)
+
+    def step() -> None:
+        y = x
+        for _ in range(layers):
+            y = F.layer_norm(y + F.gelu(F.linear(y, w, b)), (8,), gamma, beta)
+        y.sum().backward()
+
+    return _loop_time(step, device, reps, window, synced) / (2 * 4 * layers)
 
 
 def device_memory(device: torch.device, world_on_host: int) -> float:
@@ -97,17 +175,23 @@ def device_kind(device: torch.device) -> str:
     return "cpu"
 
 
+# torch 2.13 names them *_single; older releases *_into_tensor / *_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _primitive(name: str, x_bytes: int, world: int, device: torch.device) -> Callable[[], Any]:
     """A closure running one call of ``name`` with ``x_bytes`` in the cost model's convention."""
     n = max(1, x_bytes // 4)
+    # the flat-tensor forms hapc's runtime calls (hapc.collectives.ops), not the list forms
     if name == "all_gather":
         src = torch.ones(n, device=device)
-        out = [torch.empty_like(src) for _ in range(world)]
-        return lambda: dist.all_gather(out, src)
+        out = torch.empty(n * world, device=device)
+        return lambda: _ALL_GATHER(out, src)
     if name == "reduce_scatter":
-        ins = [torch.ones(n, device=device) for _ in range(world)]
+        src = torch.ones(n * world, device=device)
         out = torch.empty(n, device=device)
-        return lambda: dist.reduce_scatter(out, ins)
+        return lambda: _REDUCE_SCATTER(out, src)
     if name == "all_reduce":
         buf = torch.ones(n, device=device)
         return lambda: dist.all_reduce(buf)
@@ -125,33 +209,74 @@ def _primitive(name: str, x_bytes: int, world: int, device: torch.device) -> Cal
     raise HapcError(f"unknown primitive {name!r}")
 
 
-def fit_alpha_beta(xs: Sequence[float], ts: Sequence[float]) -> tuple[float, float]:
-    """Least-squares ``t = alpha + beta * x`` with both coefficients kept non-negative."""
+def fit_alpha_beta(xs: Sequence[float], ts: Sequence[float], relative: bool = False) -> tuple[float, float]:
+    """Least-squares ``t = alpha + beta * x`` with both coefficients kept non-negative.
+
+    ``relative``: weight each point by ``1 / t`` (minimise relative residuals)."""
     x = np.asarray(xs, dtype=float)
     t = np.asarray(ts, dtype=float)
+    w = 1.0 / np.maximum(t, 1e-12) if relative else np.ones_like(t)
     a = np.stack([np.ones_like(x), x], axis=1)
-    (alpha, beta), *_ = np.linalg.lstsq(a, t, rcond=None)
+    (alpha, beta), *_ = np.linalg.lstsq(a * w[:, None], t * w, rcond=None)
     if beta < 0:  # flat timings: all latency
-        return float(max(t.mean(), 0.0)), 0.0
+        return float(max((w @ t) / w.sum(), 0.0)), 0.0
     if alpha < 0:  # a line through the origin
-        return 0.0, float(max((x @ t) / (x @ x), 0.0))
+        xw, tw = x * w, t * w
+        return 0.0, float(max((xw @ tw) / (xw @ xw), 0.0))
     return float(alpha), float(beta)
 
 
+def _burst(device: torch.device, seconds: float) -> Callable[[], Any]:
+    """A closure computing for about ``seconds`` (small GEMMs), as a program does between collectives."""
+    if seconds <= 0:
+        return lambda: None
+    a = torch.randn(64, 64, device=device)
+    once = _median_time(lambda: a @ a, device, 5)
+    count = torch.tensor([max(1, round(seconds / max(once, 1e-9)))], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)  # every rank computes alike
+    n = int(count.item())
+
+    def burst() -> None:
+        for _ in range(n):
+            a @ a
+
+    return burst
+
+
 def measure_collectives(
-    device: torch.device, sizes: Sequence[int] = DEFAULT_SIZES, reps: int = 5
+    device: torch.device, sizes: Sequence[int] = DEFAULT_SIZES, reps: int = 5, gap: float = 0.0
 ) -> dict[str, tuple[float, float, list[tuple[int, float]]]]:
-    """Per primitive: ``(alpha, beta, [(x_bytes, seconds), ...])``. Every rank must call."""
+    """Per primitive: ``(alpha, beta, [(x_bytes, seconds), ...])``. Every rank must call.
+
+    ``gap = 0``: every timed call follows a barrier (the collective alone). ``gap > 0``: every
+    timed call follows about ``gap`` seconds of computation on each rank instead, as in a
+    program, so its time includes what a rank waits for its peers to be scheduled and reach the
+    call (on a host whose cores are shared, much more than the collective alone)."""
     world = dist.get_world_size()
+    burst = _burst(device, gap)
     out = {}
     for name in PRIMITIVES:
         points = []
         for x in sizes:
-            t = _median_time(_primitive(name, x, world, device), device, reps, barrier=True)
+            fn = _primitive(name, x, world, device)
+            if gap > 0:
+                times = []
+                fn()
+                dist.barrier()
+                for _ in range(reps):
+                    burst()
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    fn()
+                    _sync(device)
+                    times.append(time.perf_counter() - t0)
+                t = statistics.median(times)
+            else:
+                t = _median_time(fn, device, reps, barrier=True)
             t_max = torch.tensor([t], dtype=torch.float64, device=device)
             dist.all_reduce(t_max, op=dist.ReduceOp.MAX)  # the slowest rank decides
             points.append((int(x), float(t_max.item())))
-        alpha, beta = fit_alpha_beta([p[0] for p in points], [p[1] for p in points])
+        alpha, beta = fit_alpha_beta([p[0] for p in points], [p[1] for p in points], relative=True)
         out[name] = (alpha, beta, points)
     return out
 
@@ -169,7 +294,9 @@ def gather_reports(mine: DeviceReport, device: torch.device) -> list[DeviceRepor
     """Every rank's report, in rank order, on every rank (tensors only)."""
     world = dist.get_world_size()
     names = torch.stack([_encode(mine.host, device), _encode(mine.kind, device)])
-    nums = torch.tensor([mine.flops, mine.mem_bandwidth, mine.memory], dtype=torch.float64, device=device)
+    nums = torch.tensor(
+        [mine.flops, mine.mem_bandwidth, mine.memory, mine.op_overhead], dtype=torch.float64, device=device
+    )
     all_names = [torch.empty_like(names) for _ in range(world)]
     all_nums = [torch.empty_like(nums) for _ in range(world)]
     dist.all_gather(all_names, names)
@@ -206,6 +333,8 @@ def build_cluster(
                 "mem_bandwidth": min(r.mem_bandwidth for r in run),
             }
         )
+        if any(r.op_overhead for r in run):
+            groups[-1]["op_overhead"] = max(r.op_overhead for r in run)
     one_host = len({r.host for r in reports}) == 1
     alpha, beta = collectives.get("broadcast", (0.0, 0.0, None))[:2]
     link = {"bandwidth": 1.0 / beta if beta > 0 else 1e12, "latency": alpha}
@@ -224,11 +353,17 @@ def profile(
     sizes: Sequence[int] = DEFAULT_SIZES,
     reps: int = 5,
     gemm: int = 1024,
+    window: float = 0.02,
+    gap: float = 0.0,
     dtype: torch.dtype = torch.float32,
     name: str = "profiled",
     out: str | None = None,
 ) -> tuple[Cluster, dict[str, Any]]:
     """Measure this rank's device and the collectives of the default group (all ranks call).
+
+    ``window``: seconds each timed loop of device measurements lasts (longer: steadier numbers).
+    ``gap``: seconds of computation before each timed collective instead of a barrier (see
+    :func:`measure_collectives`).
 
     Returns the cluster and the raw measurements; rank 0 writes ``out`` when given."""
     if not dist.is_initialized():
@@ -236,15 +371,19 @@ def profile(
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     world_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    # every rank measures at once, in loops between barriers (see _loop_time), so ranks sharing
+    # a host's cores are measured at the speed a synchronous program gets from them
+    timing = {"reps": reps, "window": window, "synced": True}
     mine = DeviceReport(
         host=socket.gethostname(),
         kind=device_kind(device),
-        flops=measure_flops(device, dtype, gemm, reps),
-        mem_bandwidth=measure_mem_bandwidth(device, reps=reps),
+        flops=measure_flops(device, dtype, gemm, **timing),
+        mem_bandwidth=measure_mem_bandwidth(device, **timing),
         memory=device_memory(device, world_on_host),
+        op_overhead=measure_op_overhead(device, **timing),
     )
     reports = gather_reports(mine, device)
-    collectives = measure_collectives(device, sizes, reps)
+    collectives = measure_collectives(device, sizes, reps, gap)
     cluster = build_cluster(reports, collectives, name)
     if out is not None and dist.get_rank() == 0:
         with open(out, "w") as f:

@@ -3,6 +3,11 @@
 Each factory returns ``(model, example_inputs)`` and accepts ``device="meta"`` to build a paper-size
 model without allocating it. ``load("gpt-1.3b")`` resolves a zoo alias; ``load("pkg.mod:fn")`` any
 factory importable by path.
+
+The papers' models: HAP's VGG19 (``vgg19``, 133 * 2**20 parameters as in HAP Table 1), ViT
+(``vit-hap``, 8 layers = 54 * 2**20), BERT-Base (``bert-base``) and BERT-MoE (``bert-moe-base``; any
+``experts``); GPT-1.3B ... 39B (Metis, HARP); Wide-ResNet 1B ... 6.8B (Metis Table 2). Each module's
+docstring says how its size compares with the paper's.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from .gpt import gpt
 from .mlp import mlp
 from .vgg import vgg
 from .vit import vit
+from .wide_resnet import wide_resnet
 
 #: alias -> factory (keyword arguments bound). Paper sizes build on the meta device.
 ZOO: dict[str, Callable[..., Any]] = {
@@ -37,6 +43,16 @@ ZOO: dict[str, Callable[..., Any]] = {
     "vit": vit,
     "vit-24": functools.partial(vit, "base", layers=24, batch=64, device="meta"),
     "vgg19": functools.partial(vgg, "vgg19", batch=64, device="meta"),
+    # the papers' models (HAP Table 1, Metis Table 2); tiny configs first, paper sizes on meta
+    "cnn-pool": functools.partial(vgg, "tiny", image=8, pool=3),
+    "bert-moe5": functools.partial(bert, "tiny", experts=5),
+    "vit-hap": functools.partial(vit, "base", layers=8, batch=64, device="meta"),
+    "bert-moe-base": functools.partial(bert, "base", experts=8, batch=32, device="meta"),
+    "wide-resnet": wide_resnet,
+    **{
+        f"wide-resnet-{s}": functools.partial(wide_resnet, s, batch=32, device="meta")
+        for s in ("1b", "2b", "4b", "6.8b")
+    },
 }
 
 
@@ -56,4 +72,4 @@ def load(spec: str, **kwargs: Any) -> tuple[Any, Any]:
     return out
 
 
-__all__ = ["ZOO", "bert", "gpt", "load", "mlp", "moe_block", "vgg", "vit"]
+__all__ = ["ZOO", "bert", "gpt", "load", "mlp", "moe_block", "vgg", "vit", "wide_resnet"]

@@ -1,4 +1,9 @@
-"""GPT decoder (GPT-3 family shapes, as used by Metis and HARP) with a causal LM loss."""
+"""GPT decoder (GPT-3 family shapes, as used by Metis and HARP) with a causal LM loss.
+
+Parameters: ``12 L h^2 + 13 L h`` in the blocks plus embeddings (vocab 50304, 2048 positions) and
+an untied output layer, so each size is GPT-3's count (Brown et al. 2020, Table 2.1, tied head)
+plus ``50304 h``: "1.3b" has 1.42B, "2.7b" 2.78B, "6.7b" 6.86B, "13b" 13.1B, "39b" 39.5B.
+"""
 
 from __future__ import annotations
 

@@ -49,11 +49,24 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """Top-2 mixture of experts with a fixed capacity (GShard). Any number of experts."""
+    """Top-2 mixture of experts with a fixed capacity (GShard). Any number of experts.
 
-    def __init__(self, hidden: int, ffn: int, experts: int, capacity_factor: float = 1.25, k: int = 2):
+    Each expert takes ``capacity = ceil(capacity_factor * tokens * k / experts)`` token slots, unless
+    ``capacity`` fixes it (the padded expert-parallel baseline keeps the real model's per-expert
+    capacity while adding dummy experts).
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        ffn: int,
+        experts: int,
+        capacity_factor: float = 1.25,
+        k: int = 2,
+        capacity: int | None = None,
+    ):
         super().__init__()
-        self.experts, self.k, self.capacity_factor = experts, k, capacity_factor
+        self.experts, self.k, self.capacity_factor, self.fixed_capacity = experts, k, capacity_factor, capacity
         self.gate = nn.Linear(hidden, experts, bias=False)
         self.w_up = nn.Parameter(torch.randn(experts, hidden, ffn) / math.sqrt(hidden))
         self.w_down = nn.Parameter(torch.randn(experts, ffn, hidden) / math.sqrt(ffn))
@@ -64,7 +77,7 @@ class MoE(nn.Module):
         probs = self.gate(tokens).softmax(-1)
         weights, idx = probs.topk(self.k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
-        capacity = max(1, math.ceil(self.capacity_factor * b * t * self.k / self.experts))
+        capacity = self.fixed_capacity or max(1, math.ceil(self.capacity_factor * b * t * self.k / self.experts))
         buf = hapc.ops.moe_dispatch(tokens, idx, self.experts, capacity)  # [E, C, H]
         hid = F.gelu(torch.einsum("ech,ehf->ecf", buf, self.w_up))
         out = torch.einsum("ecf,efh->ech", hid, self.w_down)
@@ -74,12 +87,12 @@ class MoE(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block; ``experts`` > 0 makes the feed-forward a mixture of experts."""
 
-    def __init__(self, hidden: int, heads: int, ffn: int, causal: bool, experts: int = 0):
+    def __init__(self, hidden: int, heads: int, ffn: int, causal: bool, experts: int = 0, capacity: int | None = None):
         super().__init__()
         self.ln1 = nn.LayerNorm(hidden)
         self.attn = Attention(hidden, heads, causal)
         self.ln2 = nn.LayerNorm(hidden)
-        self.ffn = MoE(hidden, ffn, experts) if experts else MLP(hidden, ffn)
+        self.ffn = MoE(hidden, ffn, experts, capacity=capacity) if experts else MLP(hidden, ffn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))

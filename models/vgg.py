@@ -1,4 +1,12 @@
-"""VGG (Simonyan & Zisserman 2014) for 32x32 CIFAR-10 images, as in HAP's evaluation."""
+"""VGG (Simonyan & Zisserman 2014) on 32x32 CIFAR-10 images, as in HAP's evaluation (§7.1, Table 1).
+
+Parameter count. HAP's Table 1 lists VGG19 at 133 "million" parameters. A VGG19 whose classifier
+reads the 1x1x512 feature map of a 32x32 image has 39.0M (20.0M conv + 2.1M + 16.8M + 41k). HAP's
+number is torchvision's VGG19 with 10 classes: its ``AdaptiveAvgPool2d((7, 7))`` stretches the 1x1
+map to 7x7 (49 copies of each channel), so the first classifier layer is 25088 x 4096 (102.8M) and
+the model has 139.6M parameters = 133.1 * 2**20 -- HAP counts in units of 2**20. ``pool=7`` (the
+default for the paper sizes) builds exactly that model; ``pool=None`` the plain 39M CIFAR variant.
+"""
 
 from __future__ import annotations
 
@@ -15,10 +23,21 @@ CONFIGS = {
     "vgg19": [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M", 512, 512, 512, 512, "M"],
 }
 HIDDEN = {"tiny": 32, "vgg11": 4096, "vgg19": 4096}
+#: torchvision's adaptive average pool before the classifier (HAP's VGG19); None: none
+POOL = {"tiny": None, "vgg11": 7, "vgg19": 7}
+_DEFAULT = object()
 
 
 class VGG(nn.Module):
-    def __init__(self, cfg: list, hidden: int, classes: int = 10, image: int = 32, batch_norm: bool = False):
+    def __init__(
+        self,
+        cfg: list,
+        hidden: int,
+        classes: int = 10,
+        image: int = 32,
+        batch_norm: bool = False,
+        pool: int | None = None,
+    ):
         super().__init__()
         layers: list[nn.Module] = []
         channels, size = 3, image
@@ -32,6 +51,8 @@ class VGG(nn.Module):
                 layers += [nn.ReLU()]
                 channels = v
         self.features = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(pool) if pool else nn.Identity()
+        size = pool or size
         self.classifier = nn.Sequential(
             nn.Flatten(),
             nn.Linear(channels * size * size, hidden),
@@ -42,7 +63,7 @@ class VGG(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.classifier(self.features(x)), y)
+        return F.cross_entropy(self.classifier(self.pool(self.features(x))), y)
 
 
 def vgg(
@@ -53,8 +74,14 @@ def vgg(
     device: str | None = None,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    pool: int | None = _DEFAULT,  # type: ignore[assignment]
 ) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
-    model = build(lambda: VGG(CONFIGS[size], HIDDEN[size], image=image, batch_norm=batch_norm), device, dtype, seed)
+    """A VGG of a named size; ``pool`` (default: 7 for vgg11/vgg19, none for tiny) is the side of
+    torchvision's adaptive average pool before the classifier (see the module docstring)."""
+    pool = POOL[size] if pool is _DEFAULT else pool
+    model = build(
+        lambda: VGG(CONFIGS[size], HIDDEN[size], image=image, batch_norm=batch_norm, pool=pool), device, dtype, seed
+    )
     if device is not None and torch.device(device).type == "meta":
         return model, (
             torch.empty(batch, 3, image, image, device="meta", dtype=dtype),

@@ -1,4 +1,9 @@
-"""Vision Transformer (Dosovitskiy et al. 2020) for 32x32 CIFAR-10 images, as in HAP's evaluation."""
+"""Vision Transformer (Dosovitskiy et al. 2020) for 32x32 CIFAR-10 images, as in HAP's evaluation.
+
+HAP's ViT (Table 1: 54 x 2**20 parameters; the layer count is not given) is ``vit("base", layers=8)``:
+768 wide, 12 heads, 4x4 patches (65 tokens), 7.09M per layer, 56.8M = 54.2 * 2**20 in all
+(zoo alias ``vit-hap``). HAP's Fig. 19 varies the layer count; so does ``layers``.
+"""
 
 from __future__ import annotations
 

@@ -6,8 +6,10 @@
 
 Memory: the search prices time only. When the LP finds no ratios under which a program fits
 every device, synthesis is repeated with a price on memory (added to each triple's time, growing
-tenfold per retry) until a program fits; if none does, :class:`InfeasibleError` lists the best
-program's need against each device's capacity.
+tenfold per retry) until a program fits; the price is then bisected once between the last that
+did not fit and the first that did, keeping the fastest fitting program (a lower price lets faster,
+larger programs through). If none fits, :class:`InfeasibleError` lists the best program's need
+against each device's capacity.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def balance(
     price = 0.0
     last_costs: list = []
     attempts, retries = 0, 0
+    refined = False
     while attempts < max(1, rounds):
         attempts += 1
         t0 = time.perf_counter()
@@ -96,6 +99,13 @@ def balance(
                 continue
             new_ratios = lp.ratios
             cost = program_cost(th, model, res.parts, new_ratios)
+            if price and retries and not refined:
+                # the first price that fits may be far above the least that does: a cheaper
+                # price lets a faster program through, so bisect between them once
+                refined = True
+                better = _refine_price(space, model, ratios, price, memory, solver, progress)
+                if better is not None and better[2] < cost - 1e-12:
+                    res, new_ratios, cost, price = better
         t2 = time.perf_counter()
         history.append(Round(ratios, search_cost, new_ratios, cost, t1 - t0, t2 - t1))
         if best is None or cost < best.cost - 1e-12:
@@ -109,6 +119,29 @@ def balance(
         _check_memory(model, last_costs, model.proportional_ratios())
         raise InfeasibleError("no program fits the devices' memory")
     best.rounds = history
+    return best
+
+
+def _refine_price(space, model, ratios, price, memory, solver, progress, steps: int = 4):
+    """Bisect (geometrically) the memory price between ``price / 10`` (too cheap: nothing fitted)
+    and ``price`` (fits): the best fitting ``(program, ratios, cost, price)`` seen, or ``None``."""
+    th = space.theory
+    lo, hi, best = price / 10, price, None
+    for _ in range(steps):
+        mid = (lo * hi) ** 0.5
+        model.memory_price = mid
+        res = synthesize_program(space, model, ratios, progress)
+        model.memory_price = 0.0
+        costs = [[th.triples[k].cost for k in part] for part in res.parts]
+        try:
+            lp = solve_ratios(model, costs, memory=memory, solver=solver)
+        except InfeasibleError:
+            lo = mid
+            continue
+        hi = mid
+        cost = program_cost(th, model, res.parts, lp.ratios)
+        if best is None or cost < best[2]:
+            best = (res, lp.ratios, cost, mid)
     return best
 
 

@@ -40,8 +40,9 @@ def restrict(theory: Theory, baseline: str, m: int) -> set[int]:
                     )
                 wanted[ref] = shard(0)
         # only scalars (loss pieces) move, plus the all-reduces a batch-sharded op itself needs
-        # (MoE token dispatch into replicated experts, batch sums)
-        allow_comm = lambda ins: g[ins.ref].meta.rank == 0 or ins.op == "all_reduce"  # noqa: E731
+        # (MoE token dispatch into replicated experts, batch sums) and free local slices (a
+        # replicated tensor expanded to the batch, e.g. ViT's class token, cut to the local batch)
+        allow_comm = lambda ins: g[ins.ref].meta.rank == 0 or ins.op in ("all_reduce", "slice")  # noqa: E731
     elif baseline == "tp":
         wanted = megatron_layouts(g)
         for ref, lay in wanted.items():

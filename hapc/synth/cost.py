@@ -18,6 +18,12 @@ parameters, HAP §3). Collectives: alpha-beta per primitive, on the largest shar
 variants (``max_t B_t``), summed over devices for grouped ones (HAP §2.5.1). Replicated weights'
 gradients are all-reduced in buckets after the backward (as DDP does): their time adds up, in one
 final stage, without cutting the backward into stages.
+
+A cluster that lists ``op_overhead`` (seconds of framework work per operator launch: Python,
+dispatch, autograd bookkeeping; ``hapc profile`` measures it) adds that constant once per
+computing triple in the forward and once in the backward (a triple computes when it has flops or
+memory traffic). It does not depend on the ratios, so the LP stays linear; it is 0 by default.
+Small models on CPUs are dominated by it (cost-model fidelity, ``benchmarks/fidelity.py``).
 """
 
 from __future__ import annotations
@@ -95,6 +101,7 @@ class CostModel:
         self.memory_factor = memory_factor
         self.ab = {p: cluster.alpha_beta(p) for p in PRIMITIVES}
         self.inv_flops = tuple(1.0 / t.flops for t in self.types)
+        self.op_time = tuple(t.op_overhead for t in self.types)
         self.inv_mbw = tuple(
             (1.0 / t.mem_bandwidth) if (mem_bandwidth and t.mem_bandwidth) else 0.0 for t in self.types
         )
@@ -134,6 +141,8 @@ class CostModel:
         out = []
         for k, b in enumerate(ratios):
             x = flops.at(b) * self.inv_flops[k] + nbytes.at(b) * self.inv_mbw[k]
+            if self.op_time[k] and _launches(flops, nbytes):
+                x += self.op_time[k]
             if params is not None and self.inner[k]:
                 x += params.at(b) * self.inner[k]
             out.append(x)
@@ -224,6 +233,11 @@ class CostModel:
         return tuple(out)
 
 
+def _launches(flops: Linear, nbytes: Linear) -> bool:
+    """Whether a triple runs an operator in this direction (and so pays ``op_overhead``)."""
+    return bool(flops.const or flops.per_ratio or nbytes.const or nbytes.per_ratio)
+
+
 def _add(a: Vec, b: Vec) -> Vec:
     return tuple(x + y for x, y in zip(a, b))
 
@@ -257,6 +271,8 @@ class LinearStage:
         for k in range(len(self.comp_const)):
             self.comp_const[k] += flops.const * model.inv_flops[k] + nbytes.const * model.inv_mbw[k]
             self.comp_slope[k] += flops.per_ratio * model.inv_flops[k] + nbytes.per_ratio * model.inv_mbw[k]
+            if model.op_time[k] and _launches(flops, nbytes):
+                self.comp_const[k] += model.op_time[k]
             if params is not None and model.inner[k]:
                 self.comp_const[k] += params.const * model.inner[k]
                 self.comp_slope[k] += params.per_ratio * model.inner[k]

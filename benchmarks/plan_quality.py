@@ -1,0 +1,358 @@
+"""Plan quality on HAP's testbed under one cost model (HAP §7.2-7.4, Figs. 13, 14, 15).
+
+For VGG19, ViT, BERT-Base and BERT-MoE (HAP Table 1; ``models`` builds them on the meta device)
+on ``hap-testbed:N`` (N = 8, 16, 32, 64: 16 V100 first, then P100) this prices, by the stage cost
+model of HAP §3.2 (``t(Q, B) = sum_stages comm_i(B) + max_j comp_ij(B_j)``):
+
+* hapc: the synthesized program with LP-balanced ratios (A*/DP alternating with the LP);
+* DP-EV / DP-CP: data parallelism, even / compute-proportional ratios;
+* TP: Megatron tensor parallelism with even shards (column- then row-parallel linears);
+* EP: GShard expert parallelism (DP elsewhere), experts padded to a multiple of the device count
+  with each expert keeping the real model's capacity (DeepSpeed-MoE's requirement, HAP §7.6).
+
+Weak scaling as in HAP §7.1: 64 samples per GPU (32 for BERT-MoE), BERT-MoE with one expert per
+GPU. The homogeneous subset (HAP §7.3: 32 P100, ``hap-homogeneous``) repeats the comparison. The
+ablation (HAP §7.4, Fig. 15) maps HAP's components onto hapc's options:
+
+* DP-EV   -- no HAP component;
+* +Q      -- the program synthesizer, ratios fixed to even, padded collectives only, no SFB;
+* +B      -- plus the load balancer (the ratio LP), still padded only, no SFB;
+* +C      -- plus the communication optimisations of HAP §4.4 (padded *or* grouped collectives,
+             sufficient-factor broadcasting): hapc as shipped.
+
+Efficiency = (model flops / cluster peak flops) / predicted time (``Plan.efficiency``).
+
+    python benchmarks/plan_quality.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+import hapc
+import models
+from hapc.api import synthesize_theory
+from hapc.cluster import Cluster
+from hapc.errors import HapcError
+from hapc.synth.baselines import expert_parameters
+
+HERE = Path(__file__).resolve().parent
+SIZES = (8, 16, 32, 64)
+METHODS = ("hapc", "dp-ev", "dp-cp", "tp", "ep")
+ABLATION = ("DP-EV", "+Q", "+B", "+C")
+Factory = Callable[..., tuple[torch.nn.Module, Any]]
+
+
+def paper_models(quick: bool) -> dict[str, Callable[[int], tuple[Factory, dict[str, Any]]]]:
+    """name -> (m devices -> (factory, keyword arguments)); BERT-MoE's factory takes ``experts``."""
+    if quick:  # tiny shapes, a dense model and the MoE one: the smoke run
+        return {
+            "VGG19": lambda m: (models.vgg, {"size": "tiny", "batch": 2 * m, "device": "meta"}),
+            "BERT-MoE": lambda m: (models.bert, {"size": "tiny", "experts": m, "batch": 2 * m, "device": "meta"}),
+        }
+    return {
+        "VGG19": lambda m: (models.vgg, {"size": "vgg19", "batch": 64 * m, "device": "meta"}),
+        "ViT": lambda m: (models.vit, {"size": "base", "layers": 8, "batch": 64 * m, "device": "meta"}),
+        "BERT-Base": lambda m: (models.bert, {"size": "base", "batch": 64 * m, "device": "meta"}),
+        "BERT-MoE": lambda m: (models.bert, {"size": "base", "experts": m, "batch": 32 * m, "device": "meta"}),
+    }
+
+
+def _short(err: Exception) -> str:
+    msg = str(err).split(";")[0].split(": ", 1)[-1]
+    return msg if len(msg) <= 90 else msg[:87] + "..."
+
+
+class Pricer:
+    """Prices programs for one traced model on one cluster, deriving each theory variant once."""
+
+    def __init__(self, model: torch.nn.Module, inputs: Any, cluster: Cluster):
+        self.graph = hapc.trace(model, inputs)
+        self.cluster = cluster
+        self.theories: dict[tuple, Any] = {}
+
+    def __call__(
+        self, *, baseline: str | None = None, ratios: list[float] | None = None, comm_opt: bool = True
+    ) -> dict[str, Any]:
+        variants = ("padded", "grouped") if comm_opt else ("padded",)
+        key = (comm_opt,)
+        if key not in self.theories:
+            self.theories[key] = hapc.derive(self.graph, sfb=comm_opt, variants=variants)
+        t0 = time.perf_counter()
+        try:
+            plan = synthesize_theory(self.theories[key], self.cluster, baseline=baseline, ratios=ratios)
+        except HapcError as e:
+            return {"error": _short(e)}
+        experts = expert_parameters(self.graph)
+        return {
+            "experts_sharded": bool(experts) and all(plan.layout_of(r)[:1] == ["S(0)"] for r in experts),
+            "time": plan.time,
+            "efficiency": plan.efficiency,
+            "ratios": [round(r * c, 4) for r, c in zip(plan.ratios, (t["count"] for t in plan.device_types))],
+            "comm": plan.predicted["comm"],
+            "gradients": plan.predicted["gradients"],
+            "seconds": time.perf_counter() - t0,
+        }
+
+
+def even_ratios(cluster: Cluster) -> list[float]:
+    n = sum(t.count for t in cluster.device_types())
+    return [1.0 / n] * len(cluster.device_types())
+
+
+def padded_ep(factory: Factory, kw: dict[str, Any], m: int, cluster: Cluster) -> dict[str, Any]:
+    """Expert parallelism with the experts padded to a multiple of ``m``; every expert keeps the
+    per-expert capacity of the real model (dummy experts cost compute and all-to-all volume)."""
+    experts = kw["experts"]
+    padded = math.ceil(experts / m) * m
+    model, inputs = factory(**kw)
+    tokens = inputs[0].numel()
+    capacity = max(1, math.ceil(1.25 * tokens * 2 / experts))
+    model, inputs = factory(**{**kw, "experts": padded, "capacity": capacity})
+    out = Pricer(model, inputs, cluster)(baseline="ep")
+    out["experts"] = padded
+    return out
+
+
+def compare(factory: Factory, kw: dict[str, Any], cluster: Cluster, m: int) -> dict[str, Any]:
+    """hapc and every baseline for one model on one cluster."""
+    price = Pricer(*factory(**kw), cluster)
+    row = {"hapc": price(), "dp-ev": price(baseline="dp-ev"), "dp-cp": price(baseline="dp-cp")}
+    row["tp"] = price(baseline="tp")
+    row["ep"] = padded_ep(factory, kw, m, cluster) if kw.get("experts") else {"error": "no MoE layer"}
+    return row
+
+
+def ablation(factory: Factory, kw: dict[str, Any], cluster: Cluster) -> dict[str, Any]:
+    price = Pricer(*factory(**kw), cluster)
+    return {
+        "DP-EV": price(baseline="dp-ev"),
+        "+Q": price(ratios=even_ratios(cluster), comm_opt=False),
+        "+B": price(comm_opt=False),
+        "+C": price(),
+    }
+
+
+def verdict(row: dict[str, Any]) -> dict[str, Any]:
+    """Best feasible baseline and hapc's speedup over it (> 1: hapc faster)."""
+    base = {k: v["time"] for k, v in row.items() if k != "hapc" and "time" in v}
+    out: dict[str, Any] = {"best": None, "speedup": None, "vs_dp_cp": None}
+    if "time" not in row["hapc"]:
+        out["status"] = f"hapc found no plan ({row['hapc']['error']})"
+        return out
+    h = row["hapc"]["time"]
+    if base:
+        best = min(base, key=base.get)
+        out.update(best=best, speedup=base[best] / h)
+    if "time" in row["dp-cp"]:
+        out["vs_dp_cp"] = row["dp-cp"]["time"] / h
+    losers = [k for k, t in base.items() if t < h * (1 - 1e-9)]
+    out["status"] = "hapc >= every baseline" if not losers else "hapc LOSES to " + ", ".join(losers)
+    return out
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    zoo = paper_models(quick)
+    sizes = (8,) if quick else SIZES
+    result: dict[str, Any] = {"quick": quick, "heterogeneous": {}, "homogeneous": {}, "ablation": {}}
+    for name, make in zoo.items():
+        for m in sizes:
+            cluster = Cluster.load(f"hap-testbed:{m}")
+            factory, kw = make(m)
+            row = compare(factory, kw, cluster, m)
+            row["verdict"] = verdict(row)
+            result["heterogeneous"][f"{name}@{m}"] = row
+            result["ablation"][f"{name}@{m}"] = ablation(factory, kw, cluster)
+        m = 32  # hap-homogeneous: 4 hosts x 8 P100
+        factory, kw = make(m)
+        row = compare(factory, kw, Cluster.load("hap-homogeneous"), m)
+        row["verdict"] = verdict(row)
+        result["homogeneous"][f"{name}@{m}"] = row
+    vgg = result["heterogeneous"].get("VGG19@32")
+    if vgg:
+        result["goal_vgg19_32"] = vgg["verdict"]["vs_dp_cp"]
+    result["seconds"] = time.perf_counter() - t0
+    return result
+
+
+# ---- reporting ---------------------------------------------------------------------------------
+def _ms(cell: dict[str, Any]) -> str:
+    return f"{cell['time'] * 1e3:.1f}" if "time" in cell else "n/a"
+
+
+def _comparison_table(rows: dict[str, Any], methods: tuple[str, ...]) -> list[str]:
+    head = ["model @ GPUs", *[f"{m} (ms)" for m in methods], "best baseline", "hapc speedup", "vs DP-CP", "verdict"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    notes: dict[str, str] = {}
+    for key, row in rows.items():
+        cells = []
+        for meth in methods:
+            c = row[meth]
+            cells.append(_ms(c))
+            if "error" in c and c["error"] != "no MoE layer":
+                notes.setdefault(f"{meth}: {c['error']}", key)
+        v = row["verdict"]
+        sp = f"{v['speedup']:.2f}x" if v["speedup"] else "-"
+        cp = f"{v['vs_dp_cp']:.2f}x" if v["vs_dp_cp"] else "-"
+        out.append(f"| {key} | " + " | ".join(cells) + f" | {v['best'] or '-'} | {sp} | {cp} | {v['status']} |")
+    if notes:
+        out += ["", "n/a (first case where each reason occurs):", ""]
+        out += [f"* {where}: {why}" for why, where in notes.items()]
+    return out
+
+
+def _efficiency_table(rows: dict[str, Any], methods: tuple[str, ...]) -> list[str]:
+    out = ["| model @ GPUs | " + " | ".join(methods) + " |", "|" + "---|" * (len(methods) + 1)]
+    for key, row in rows.items():
+        cells = [f"{row[m]['efficiency'] * 100:.1f}%" if "time" in row[m] else "n/a" for m in methods]
+        out.append(f"| {key} | " + " | ".join(cells) + " |")
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [
+        "### Plan quality on hap-testbed (HAP Fig. 13)",
+        "",
+        "Predicted per-iteration time (ms) under one cost model; 16 V100 then P100, 8 per host, 10.4 Gbps "
+        "between hosts. TP is pure Megatron tensor parallelism over all GPUs (n/a where a dimension has fewer "
+        "whole units than GPUs); EP pads experts to a multiple of the GPU count.",
+        "",
+        *_comparison_table(result["heterogeneous"], METHODS),
+        "",
+    ]
+    goal = result.get("goal_vgg19_32")
+    if goal is not None:
+        met = "met" if goal >= 2 else "MISSED"
+        lines += [f"VGG19 at 32 GPUs: hapc is {goal:.2f}x DP-CP (goal >= 2x, HAP measured 2.41x): **{met}**.", ""]
+    losses = [k for k, r in result["heterogeneous"].items() if "LOSES" in r["verdict"]["status"]]
+    losses += [f"{k} (homogeneous)" for k, r in result["homogeneous"].items() if "LOSES" in r["verdict"]["status"]]
+    worse = [
+        f"{key} ({a} {row[a]['time'] * 1e3:.1f} ms -> {b} {row[b]['time'] * 1e3:.1f} ms)"
+        for key, row in result["ablation"].items()
+        for a, b in itertools.pairwise(ABLATION)
+        if "time" in row[a] and "time" in row[b] and row[b]["time"] > row[a]["time"] * (1 + 1e-9)
+    ]
+    lines += [
+        f"hapc loses to a baseline in: {', '.join(losses)}." if losses else "hapc >= every baseline everywhere.",
+        "",
+    ]
+    if losses or worse:
+        lines += [
+            "Why hapc can lose: the A*/DP search is exact for given ratios when the best program fits in "
+            "memory, but (1) when it does not, the synthesis/LP loop prices memory (a penalty that grows "
+            "tenfold per retry, then bisected once between the last price that failed and the first that fit), "
+            "which need not find the fastest program that fits; (2) the alternation of synthesis and the ratio "
+            "LP (HAP Eq. 1-2, started from speed-proportional ratios) stops at a fixed point that depends on the "
+            "search space."
+            + (f" Ablation cases where the larger space predicts a slower plan: {', '.join(worse)}." if worse else ""),
+            "",
+        ]
+    lines += [
+        "### Predicted efficiency (ideal time / predicted time)",
+        "",
+        *_efficiency_table(result["heterogeneous"], METHODS),
+        "",
+        "### Homogeneous subset: 32 P100 (HAP Fig. 14)",
+        "",
+        *_comparison_table(result["homogeneous"], ("hapc", "dp-ev", "tp", "ep")),
+        "",
+        "### Ablation (HAP Fig. 15): predicted ms, and throughput relative to DP-EV",
+        "",
+        "+Q: synthesized program, even ratios, padded collectives, no SFB; +B: + ratio LP; "
+        "+C: + grouped collectives and SFB (full hapc). Where DP-EV does not fit in memory (BERT-MoE) "
+        "the ratio is to the first column that does.",
+        "",
+        "| model @ GPUs | " + " | ".join(ABLATION) + " |",
+        "|" + "---|" * (len(ABLATION) + 1),
+    ]
+    for key, row in result["ablation"].items():
+        base = _ablation_base(row)
+        cells = []
+        for k in ABLATION:
+            c = row[k]
+            if "time" not in c:
+                cells.append("n/a")
+            else:
+                cells.append(f"{c['time'] * 1e3:.1f}" + (f" ({base / c['time']:.2f}x)" if base else ""))
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    lines += ["", f"({result['seconds']:.0f} s to compute.)", ""]
+    return "\n".join(lines)
+
+
+def _ablation_base(row: dict[str, Any]) -> float | None:
+    """The time the ablation is relative to: the first column that has a plan (DP-EV normally)."""
+    return next((row[k]["time"] for k in ABLATION if "time" in row[k]), None)
+
+
+def plot(result: dict[str, Any], outdir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(k.split("@")[0] for k in result["heterogeneous"]))
+    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.4))
+    for ax, name in zip(axes, names):
+        keys = [k for k in result["heterogeneous"] if k.split("@")[0] == name]
+        gpus = [k.split("@")[1] for k in keys]
+        width = 0.8 / len(METHODS)
+        for i, meth in enumerate(METHODS):
+            ys = [result["heterogeneous"][k][meth].get("time", float("nan")) * 1e3 for k in keys]
+            ax.bar([x + i * width for x in range(len(keys))], ys, width, label=meth)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(keys))], gpus)
+        ax.set_title(name)
+        ax.set_xlabel("GPUs")
+        ax.set_yscale("log")
+    axes[0].set_ylabel("predicted ms / iteration")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(METHODS), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    paths = [outdir / "plan_quality.png"]
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(result["ablation"])), 3.4))
+    keys = list(result["ablation"])
+    width = 0.8 / len(ABLATION)
+    for i, k in enumerate(ABLATION):
+        ys = []
+        for key in keys:
+            row = result["ablation"][key]
+            base, c = _ablation_base(row), row[k].get("time")
+            ys.append(base / c if base and c else float("nan"))
+        ax.bar([x + i * width for x in range(len(keys))], ys, width, label=k)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(keys))], keys, rotation=60, fontsize=7)
+    ax.set_ylabel("throughput / DP-EV (or first that fits)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(outdir / "ablation.png")
+    fig.savefig(paths[1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="tiny models, 8 GPUs only (the smoke run)")
+    ap.add_argument("--json", help="write results here (default: plan_quality.json beside this script)")
+    args = ap.parse_args()
+    result = run(args.quick)
+    Console(width=160).print(markdown(result))
+    out = Path(args.json) if args.json else HERE / "plan_quality.json"
+    out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
