@@ -23,6 +23,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 -q $(PYTEST_ARGS)
 
+# the equivalence fuzzer's long profile: 60 batches of 8 random models x clusters, counts printed
+fuzz: $(STAMP)
+	HYPOTHESIS_PROFILE=fuzz OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -s tests/test_fuzz.py
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -33,3 +33,27 @@ def without_gc(fn: F) -> F:
             return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def broadcast_json(make: Callable[[], Any], *, group: Any = None, device: Any = "cpu") -> Any:
+    """``make()`` on the group's first rank, its JSON-able result on every rank.
+
+    Plans travel between ranks as UTF-8 JSON bytes in a uint8 tensor (two broadcasts: size, then
+    bytes) -- data only, never pickle."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    root = 0 if group is None else dist.get_global_rank(group, 0)
+    first = dist.get_rank(group) == 0
+    if first:
+        data = torch.frombuffer(bytearray(json.dumps(make()).encode()), dtype=torch.uint8).to(device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.broadcast(size, src=root, group=group)
+    if not first:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=root, group=group)
+    return json.loads(data.cpu().numpy().tobytes().decode())

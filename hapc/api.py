@@ -204,6 +204,10 @@ def compile(
     leaf_modules: Sequence[type] = (),
     seed: int = 0,
     init: Any = None,
+    timeout: float | None = None,
+    pipeline: bool | None = None,
+    num_micro: int = 8,
+    schedule: str = "h1f1b",
     **options: Any,
 ) -> Any:
     """This rank's part of ``model`` under ``plan`` (synthesized here when not given).
@@ -223,6 +227,16 @@ def compile(
             parameters are drawn by its ``reset_parameters()`` seeded by ``(seed, module name)``
             (or by ``init(name, tensor)``) and only this rank's slices are kept; the same values
             as :func:`hapc.materialize.materialize` gives a single-device copy.
+        timeout: seconds after which a collective of this module (and the plan broadcast) gives
+            up and raises, so a crashed, hung or absent rank stops every other rank instead of
+            holding it for the job's default (torch: 30 min gloo, 10 min NCCL). Default: the
+            process group's own timeout.
+        pipeline: pipeline the model over the cluster's device groups (HARP, :mod:`hapc.pipeline`),
+            each stage an SPMD program on its sub-mesh; the default does so when the cluster
+            joins groups by a link slower than its inter-host links. The result is then a
+            :class:`~hapc.pipeline.PipelineModule`: train with ``loss = module.train_step(*batch)``
+            (forward and backward of ``num_micro`` micro-batches by ``schedule``: ``"h1f1b"``,
+            ``"1f1b"`` or ``"eager-1f1b"``), then step the optimizer.
         options: for synthesis when no plan is given -- ``segments``, ``rounds``, ``solver``,
             ``memory``, ``baseline``, ``ratios`` (see :func:`synthesize`) and the theory options
             ``sfb``, ``variants``, ``param_comm``, ``strict`` (see :func:`hapc.derive`).
@@ -248,6 +262,14 @@ def compile(
             "torch.distributed.init_process_group first); for planning alone use hapc.synthesize"
         )
     cluster = Cluster.load(cluster) if not isinstance(cluster, Cluster) else cluster
+    if pipeline or (pipeline is None and plan is None and _has_slow_links(cluster)):
+        from .pipeline import compile_pipeline
+
+        if group is not None or plan is not None:
+            raise HapcError("a pipelined compile runs on the whole job and plans itself: drop group= and plan=")
+        return compile_pipeline(model, cluster, example_inputs, num_micro=num_micro, schedule=schedule, **options)
+    if timeout is not None:
+        group = _group_with_timeout(group, timeout)
     world = dist.get_world_size(group)
     if isinstance(plan, str):
         plan = Plan.load(plan)
@@ -267,6 +289,27 @@ def compile(
         plan = _agree_on_plan(theory, cluster, group, options, theory_opts)
     plan.check(graph=graph, cluster=cluster, world_size=world)
     return CompiledModule(model, theory, plan, group=group, device=device, seed=seed, init=init)
+
+
+def _group_with_timeout(group: Any, seconds: float) -> Any:
+    """The same ranks as ``group`` in a new process group whose operations time out after
+    ``seconds`` (only its members call this: local synchronisation)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if not seconds > 0:
+        raise HapcError(f"timeout must be a positive number of seconds, got {seconds!r}")
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return dist.new_group(
+        ranks, timeout=timedelta(seconds=seconds), backend=dist.get_backend(group), use_local_synchronization=True
+    )
+
+
+def _has_slow_links(cluster: Cluster) -> bool:
+    """Groups joined by a link slower than the cluster's inter-host links: HARP's setting, where
+    collectives across the link would stall and a pipeline sends one message per micro-batch."""
+    return any(link.bandwidth < cluster.inter_host.bandwidth for _, link in cluster.between)
 
 
 RANDOM_OPS = ("dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d")
@@ -294,24 +337,17 @@ def _agree_on_plan(
     theory: Any, cluster: Cluster, group: Any, options: dict[str, Any], theory_opts: dict[str, Any]
 ) -> Plan:
     """Rank 0 synthesizes; everyone receives the same plan as JSON bytes (never pickle)."""
-    import json
-
     import torch.distributed as dist
+
+    from ._util import broadcast_json
 
     dev = (
         torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
     )
-    if dist.get_rank(group) == 0:
+
+    def make() -> dict[str, Any]:
         synth_opts = {k: v for k, v in options.items() if k in SYNTH_OPTIONS}
         recorded = {**theory_opts, "variants": list(theory_opts["variants"])}
-        plan = synthesize_theory(theory, cluster, options=recorded, **synth_opts)
-        data = torch.frombuffer(bytearray(json.dumps(plan.to_json()).encode()), dtype=torch.uint8).to(dev)
-        size = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
-    else:
-        size = torch.zeros(1, dtype=torch.int64, device=dev)
-    root = 0 if group is None else dist.get_global_rank(group, 0)
-    dist.broadcast(size, src=root, group=group)
-    if dist.get_rank(group) != 0:
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
-    dist.broadcast(data, src=root, group=group)
-    return Plan.from_json(json.loads(data.cpu().numpy().tobytes().decode()))
+        return synthesize_theory(theory, cluster, options=recorded, **synth_opts).to_json()
+
+    return Plan.from_json(broadcast_json(make, group=group, device=dev))

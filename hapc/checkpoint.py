@@ -18,6 +18,8 @@ and plain containers only, never arbitrary pickled objects.
 from __future__ import annotations
 
 import os
+import pickle
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -71,7 +73,10 @@ def load_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, An
 
 
 def save(state: dict[str, Any], path: str | Path) -> None:
-    """Write ``state`` to ``path`` atomically: a crash leaves either the old file or the new one."""
+    """Write ``state`` to ``path`` atomically: a crash leaves either the old file or the new one.
+
+    A process killed mid-save also leaves its temporary (``.<name>.*.tmp``, beside ``path``);
+    :func:`load` never reads it, and it may be deleted."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -94,8 +99,25 @@ def load(path: str | Path) -> dict[str, Any]:
         raise HapcError(f"no checkpoint at {path}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "Unsupported global" not in str(exc):  # not a pickle at all: garbage or truncated
+            raise HapcError(
+                f"{path} is not a readable hapc checkpoint (UnpicklingError); the file is truncated or not a "
+                "torch checkpoint -- load an earlier one"
+            ) from exc
+        # weights_only refused a global: never run pickled code
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = f"it references {found.group(1)}" if found else "weights_only refused it"
+        raise HapcError(
+            f"{path} holds pickled objects other than tensors and plain containers ({what}); hapc reads "
+            "checkpoints with torch.load(weights_only=True) and will not run pickled code. Re-save the state "
+            "from full_state_dict() / full_state() with hapc.checkpoint.save"
+        ) from exc
     except Exception as exc:
-        raise HapcError(f"{path} is not a readable hapc checkpoint ({type(exc).__name__}: {exc})") from exc
+        raise HapcError(
+            f"{path} is not a readable hapc checkpoint ({type(exc).__name__}: {exc}); the file is truncated or "
+            "not a torch checkpoint -- load an earlier one"
+        ) from exc
     if not isinstance(state, dict) or "model" not in state:
         raise HapcError(f"{path} is not a full-state checkpoint: expected a dict with a 'model' entry")
     return state

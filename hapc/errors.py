@@ -35,5 +35,25 @@ class InfeasibleError(HapcError):
     """No program fits the cluster (memory) or the search space is empty."""
 
 
+class DistributedRunError(HapcError):
+    """A multi-process run (:func:`hapc.testing.run_distributed`) failed: some rank raised, died,
+    hung past the timeout, or was never started. The attributes say which, rank by rank."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        errors: dict[int, str] | None = None,
+        died: dict[int, int] | None = None,
+        hung: list[int] | None = None,
+        absent: list[int] | None = None,
+    ):
+        super().__init__(message)
+        self.errors = errors or {}  # rank -> "Type: message\ntraceback" of what it raised
+        self.died = died or {}  # rank -> exit code of a process that ended without reporting
+        self.hung = hung or []  # ranks still running at the deadline (killed by the harness)
+        self.absent = absent or []  # ranks deliberately not started
+
+
 class UnsupportedOpWarning(UserWarning):
     """An op without a rule is replicated on every device (pass ``strict=True`` to make it an error)."""

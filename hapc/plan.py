@@ -151,7 +151,10 @@ class Plan:
                 node_names={int(k): str(v) for k, v in data.get("node_names", {}).items()},
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise PlanError(f"corrupt plan: {type(exc).__name__}: {exc}") from exc
+            raise PlanError(
+                f"corrupt plan: {type(exc).__name__}: {exc}; re-run `hapc synth` (or hapc.synthesize and "
+                "Plan.save) to write it again"
+            ) from exc
 
     def save(self, path: str | Path) -> None:
         """Write the plan as JSON (atomically: a temporary file renamed into place)."""
@@ -167,10 +170,18 @@ class Plan:
             text = Path(path).read_text()
         except OSError as exc:
             raise PlanError(f"cannot read plan {path}: {exc}") from exc
+        except UnicodeDecodeError as exc:  # e.g. a pickle: plans are JSON text, never unpickled
+            raise PlanError(
+                f"plan {path} is not JSON text ({exc.reason} at byte {exc.start}); plans are JSON written by "
+                "Plan.save -- re-run `hapc synth` (or hapc.synthesize and Plan.save) to write it again"
+            ) from exc
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise PlanError(f"plan {path} is not valid JSON ({exc}); the file is corrupt or truncated") from exc
+            raise PlanError(
+                f"plan {path} is not valid JSON ({exc}); the file is corrupt or truncated -- re-run `hapc synth` "
+                "(or hapc.synthesize and Plan.save) to write it again"
+            ) from exc
         plan = Plan.from_json(data)
         plan.check(graph=graph, cluster=cluster, where=str(path))
         return plan

@@ -2,8 +2,9 @@
 
 ``run_distributed(fn, 3, *args)`` forks three processes, initialises ``torch.distributed`` in each
 (gloo over loopback, one thread per process), calls ``fn(rank, world_size, *args)`` and returns
-the results in rank order. A process that fails or dies makes the call raise with its traceback
-(or exit code) -- within ``timeout`` seconds, never a hang. ``fork`` is used: spawning would cost
+the results in rank order. A process that fails, dies or hangs makes the call raise naming each
+rank's fate (its traceback, the signal that killed it, hung, never started) -- within
+``timeout + grace`` seconds, never a hang. ``fork`` is used: spawning would cost
 about a second per process here.
 """
 
@@ -11,9 +12,11 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import socket
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -22,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .cluster import Cluster
-from .errors import HapcError
+from .errors import DistributedRunError
 
 
 def cluster_of(
@@ -79,50 +82,83 @@ def _worker(fn: Callable, rank: int, world: int, port: int, queue: Any, args: tu
                 pass
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
-    """``[fn(0, n, *args), ..., fn(n-1, n, *args)]``, each in its own gloo process."""
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    grace: float = 30.0,
+    absent: Sequence[int] = (),
+) -> list[Any]:
+    """``[fn(0, n, *args), ..., fn(n-1, n, *args)]``, each in its own gloo process.
+
+    ``timeout`` is the process group's: a collective (or the rendezvous) that waits longer raises
+    in that rank. The call returns or raises within ``timeout + grace`` seconds: a rank still
+    running then is reported as hung and killed. On failure it raises
+    :class:`~hapc.errors.DistributedRunError` naming every rank's fate -- its exception, the
+    signal or exit code it died with, hung, or never started (``absent``: ranks deliberately
+    not launched, to test a job where a rank never joins)."""
     ctx = mp.get_context("fork")
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args, timeout)) for r in range(world_size)
-    ]
-    for p in procs:
+    procs = {
+        r: ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args, timeout))
+        for r in range(world_size)
+        if r not in set(absent)
+    }
+    for p in procs.values():
         p.start()
     results: dict[int, Any] = {}
-    errors: list[str] = []
-    import time
-
-    deadline = time.monotonic() + timeout + 30
-    while len(results) + len(errors) < world_size:
-        if not queue.empty():
+    errors: dict[int, str] = {}
+    died: dict[int, int] = {}
+    pending = set(procs)
+    deadline = time.monotonic() + timeout + grace
+    while pending and time.monotonic() < deadline:
+        exited = [r for r in pending if procs[r].exitcode is not None]  # before draining: their reports are in
+        while not queue.empty():
             rank, status, value = queue.get()
+            pending.discard(rank)
             if status == "ok":
                 results[rank] = torch.load(io.BytesIO(value), weights_only=True)
             else:
-                errors.append(f"rank {rank}: {value}")
-            continue
-        dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
-        if dead and queue.empty():
-            time.sleep(0.5)
-            if queue.empty():
-                errors += [
-                    f"rank {r} died with exit code {code}"
-                    for r, code in dead
-                    if all(f"rank {r}:" not in e for e in errors)
-                ]
-                break
-        if time.monotonic() > deadline:
-            errors.append(
-                f"timed out after {timeout:.0f}s waiting for ranks {sorted(set(range(world_size)) - set(results))}"
-            )
-            break
+                errors[rank] = value
+        for r in exited:
+            if r in pending:
+                died[r] = procs[r].exitcode
+                pending.discard(r)
         time.sleep(0.01)
-    for p in procs:
+    hung = sorted(pending)
+    for r in hung:
+        procs[r].kill()
+    for p in procs.values():
         p.join(timeout=10)
         if p.is_alive():
             p.kill()
             p.join()
-    if errors:
-        raise HapcError("distributed run failed:\n" + "\n".join(errors))
+    if errors or died or hung or absent:
+        raise DistributedRunError(
+            _describe_failure(world_size, errors, died, hung, sorted(absent), timeout + grace),
+            errors=errors,
+            died=died,
+            hung=hung,
+            absent=sorted(absent),
+        )
     return [results[r] for r in range(world_size)]
+
+
+def _describe_failure(
+    world: int, errors: dict[int, str], died: dict[int, int], hung: list[int], absent: list[int], limit: float
+) -> str:
+    lines = [f"distributed run failed ({world} ranks):"]
+    for r in range(world):
+        if r in errors:
+            lines.append(f"rank {r}: {errors[r]}")
+        elif r in died:
+            code = died[r]
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            lines.append(f"rank {r} died ({how}) without reporting a result")
+        elif r in hung:
+            lines.append(f"rank {r} hung: still running after {limit:.0f}s (timeout + grace); killed")
+        elif r in absent:
+            lines.append(f"rank {r} was never started (absent)")
+    return "\n".join(lines)

@@ -171,27 +171,36 @@ def test_forward_takes_the_global_batch_or_the_local_share():
         assert whole == pytest.approx(ref, rel=1e-12) and mine == pytest.approx(ref, rel=1e-12)
 
 
-def _accumulate(rank, world, cluster, plan, micro, set_to_none):
+def _zero(opt, how):
+    if how != "keep":  # "keep": the second step accumulates onto the first step's gradients
+        opt.zero_grad(set_to_none=how == "set_to_none")
+
+
+def _accumulate(rank, world, cluster, plan, micro, how, no_sync):
     model, inputs = models.load("gpt", dtype=F64)
     m = hapc.compile(model, cluster, inputs, plan=plan)
     opt = make_optimizer("sgd", m.parameters())
     out = []
     for _ in range(2):  # two optimizer steps, each over `micro` backward passes of the same batch
-        opt.zero_grad(set_to_none=set_to_none)
-        for _ in range(micro):
-            m(*inputs).backward()
+        _zero(opt, how)
+        for i in range(micro):
+            if no_sync and i < micro - 1:
+                with m.no_sync():  # sum once, at the last backward
+                    m(*inputs).backward()
+            else:
+                m(*inputs).backward()
         out.append(m.full_gradients())
         opt.step()
     out.append(m.full_state_dict())
     return out
 
 
-def _single_accumulate(micro, set_to_none):
+def _single_accumulate(micro, how):
     model, inputs = models.load("gpt", dtype=F64)
     opt = make_optimizer("sgd", model.parameters())
     out = []
     for _ in range(2):
-        opt.zero_grad(set_to_none=set_to_none)
+        _zero(opt, how)
         for _ in range(micro):
             model(*inputs).backward()
         out.append({k: p.grad.clone() for k, p in model.named_parameters()})
@@ -200,15 +209,18 @@ def _single_accumulate(micro, set_to_none):
     return out
 
 
-@pytest.mark.parametrize("set_to_none", [True, False], ids=["set_to_none", "zeroed_in_place"])
-def test_gradient_accumulation_over_backward_passes(set_to_none):
-    """Replicated parameters' gradients are synced per backward; accumulating must still sum each
-    contribution once, whether gradients were dropped or zeroed in place (then they live in the
-    sync buckets)."""
+@pytest.mark.parametrize(
+    "how,no_sync",
+    [("set_to_none", False), ("zeroed_in_place", False), ("set_to_none", True), ("keep", True), ("keep", False)],
+)
+def test_gradient_accumulation_over_backward_passes(how, no_sync):
+    """Replicated parameters' gradients are synced per backward (or once, after backwards under
+    ``no_sync``); accumulating must still sum each contribution once, whether gradients were
+    dropped, zeroed in place (then they live in the sync buckets) or kept from the last step."""
     cluster = cluster_of([5e9, 3e9, 2e9])
     plan = _plan("gpt", cluster, baseline="dp-cp")
-    got = run_distributed(_accumulate, 3, cluster, plan, 2, set_to_none)
-    want = _single_accumulate(2, set_to_none)
+    got = run_distributed(_accumulate, 3, cluster, plan, 3, how, no_sync)
+    want = _single_accumulate(3, how)
     for res in got:
         assert_close(res, want, F64, "accumulated")
 

@@ -15,6 +15,9 @@ conversion between the sharded state and an ordinary single-device ``state_dict`
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,6 +30,7 @@ from ..errors import HapcError
 from ..materialize import Init, module_values, owner
 from ..plan import Plan
 from ..theory.graph import PARAM
+from ..theory.instructions import Source
 from ..theory.props import Layout
 from ..theory.triples import Theory
 from .program import RankProgram
@@ -58,6 +62,8 @@ class CompiledModule(nn.Module):
         self.world = dist.get_world_size(group)
         plan.check(world_size=self.world, where="the plan")
         self.plan, self.theory = plan, theory
+        self._forward_sig = _signature(model)
+        self._free_dims = _sharded_input_dims(plan)
         self.device = torch.device(device) if device is not None else _default_device(group)
         rp = RankProgram(theory, plan, self.rank)
         rp.build_graph()
@@ -96,14 +102,19 @@ class CompiledModule(nn.Module):
     # -- running ------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         names = [n.name for n in self.theory.graph.inputs]
-        bound = dict(zip(self.theory.graph.input_names, args))
+        # positional arguments bind by the model's signature: the graph omits unused inputs
+        bound = dict(zip(_positional_names(self._forward_sig, self.theory.graph.input_names), args))
         bound.update(kwargs)
         missing = [n for n in names if n not in bound]
         if missing:
             raise TypeError(f"missing model input(s) {missing}")
+        _check_inputs(self.theory, self._free_dims, bound)
         if self.world > 1 and torch.is_grad_enabled():
             self._prepare_accumulation()
         out = self.program(*[bound[n] for n in names])
+        if self._output_hook and out.requires_grad:
+            with torch._C.DisableTorchFunctionSubclass():  # a GlobalLoss must not wait for its value here
+                out.register_hook(self._on_output_grad)
         for key in self._counters:
             if key in self._unused:
                 self._unused[key] += 1
@@ -188,11 +199,34 @@ class CompiledModule(nn.Module):
         self._view_of: dict[int, torch.Tensor | None] = {id(p): None for p in params}
         self._flat: list[torch.Tensor | None] = [None] * len(buckets)  # allocated on first use
         self._carry: dict[int, torch.Tensor] = {}
+        self._syncing = True  # False inside no_sync()
+        self._unsynced = False  # .grad holds Partial contributions not summed yet (no_sync)
         self._stash_handles: list[Any] = []
         self._reset_sync()
-        if self.world > 1:
+        # one bucket cannot overlap with the backward (it is complete only at the end), so it needs
+        # no per-parameter hooks: a hook on the program's output queues the sync when backward
+        # starts (see forward). Several buckets go out as they fill.
+        self._output_hook = self.world > 1 and len(buckets) == 1
+        if self.world > 1 and not self._output_hook:
             for p in params:
                 p.register_post_accumulate_grad_hook(self._on_grad)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate this rank's Partial gradients without summing them
+        across ranks (as ``DistributedDataParallel.no_sync``); the next backward outside sums
+        everything accumulated in one go. Micro-batches of a pipeline stage use it: one gradient
+        all-reduce per step instead of one per micro-batch. Gradients read inside are Partial."""
+        if self.world > 1 and not self._unsynced:
+            for p in self._sync_params:  # summed gradients of earlier steps wait aside, as accumulation does
+                if p.grad is not None and id(p) not in self._carry:
+                    self._carry[id(p)] = p.grad.clone() if p.grad is self._view_of.get(id(p)) else p.grad
+                    p.grad = None
+        self._syncing = False
+        try:
+            yield
+        finally:
+            self._syncing = True
 
     def _prepare_accumulation(self) -> None:
         """Gradient accumulation: when replicated parameters already hold (summed) gradients, the
@@ -202,6 +236,9 @@ class CompiledModule(nn.Module):
         when gradients were zeroed with ``set_to_none`` (the default)."""
         for h in self._stash_handles:
             h.remove()
+        if self._unsynced:  # the gradients are no_sync's Partial sums: the next sync sums them all
+            self._stash_handles = []
+            return
         self._stash_handles = [p.register_hook(self._stash(p)) for p in self._sync_params if p.grad is not None]
 
     def _stash(self, p: nn.Parameter):
@@ -239,7 +276,18 @@ class CompiledModule(nn.Module):
                 self._view_of[id(p)] = view.view_as(p)
         return flat
 
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        # backward has reached the output: sync once it is done (single bucket, see _setup_grad_sync)
+        if not self._syncing:
+            self._unsynced = True
+        elif not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_sync)
+            self._queued = True
+
     def _on_grad(self, p: nn.Parameter) -> None:
+        if not self._syncing:
+            self._unsynced = True
+            return
         if not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_sync)
             self._queued = True
@@ -280,6 +328,7 @@ class CompiledModule(nn.Module):
                 p.grad = self._view_of[id(p)]
         self._restore_gradients()
         self._reset_sync()
+        self._unsynced = False
 
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
         """Every parameter's whole gradient by ``state_dict`` name, gathered from the shards (all
@@ -382,6 +431,53 @@ class _Materializer:
         if qual != self._qual:
             self._qual, self._values = qual, module_values(module, qual, self.seed, self.init)
         return self._values[name]
+
+
+def _signature(model: nn.Module) -> inspect.Signature | None:
+    try:
+        return inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+
+
+def _positional_names(sig: inspect.Signature | None, fallback: list[str]) -> list[str]:
+    if sig is None:
+        return list(fallback)
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in sig.parameters.values() if p.kind in kinds]
+
+
+def _sharded_input_dims(plan: Plan) -> dict[int, set[int]]:
+    """Per node, the dims the plan sources it sharded on (checked by ``take_shard``)."""
+    sharded: dict[int, set[int]] = {}
+    for ins in plan.instructions:
+        if isinstance(ins, Source) and ins.layout.is_sharded:
+            sharded.setdefault(ins.ref, set()).add(ins.layout.dim)
+    return sharded
+
+
+def _check_inputs(theory: Theory, sharded: dict[int, set[int]], bound: dict[str, Any]) -> None:
+    """Refuse inputs whose rank, dtype or unsharded sizes differ from the traced ones (the
+    sharded dim is checked where the rank takes its share): the program's literal shapes were
+    made for those, and a broadcast could otherwise compute something else without an error."""
+    for n in theory.graph.inputs:
+        x = bound[n.name]
+        if not isinstance(x, torch.Tensor):
+            continue  # take_shard / take_whole name it
+        free = sharded.get(n.index, set())
+        same = x.dim() == len(n.shape) and all(a == b or d in free for d, (a, b) in enumerate(zip(x.shape, n.shape)))
+        if not same:
+            raise HapcError(
+                f"input {n.name!r} has shape {tuple(x.shape)} but the plan was synthesized for {tuple(n.shape)}"
+                + (f" (dim {sorted(free)[0]} may be this rank's share)" if free else "")
+                + "; pass inputs shaped like the example inputs, or synthesize and compile again for the new shape"
+            )
+        want = n.meta.dtype
+        if x.dtype != want and (x.dtype.is_floating_point or want.is_floating_point):
+            raise HapcError(
+                f"input {n.name!r} is {x.dtype} but the plan was synthesized for {want}; cast it "
+                f"(x.to({want})) or synthesize and compile again for that dtype"
+            )
 
 
 def _default_device(group: dist.ProcessGroup | None) -> torch.device:

@@ -178,8 +178,8 @@ class RankProgram:
                 if n.op == "get_attr":
                     hoist.append(n)
             elif n.op in ("call_function", "call_method") and all(a in data_only for a in n.all_input_nodes):
-                data_only.add(n)
-                if n.target is not C.wait:
+                if n.target is not C.wait:  # a wait stays put, and so does everything that reads it
+                    data_only.add(n)
                     hoist.append(n)
         anchor = self._last_placeholder()
         for n in hoist:
@@ -249,6 +249,8 @@ class RankProgram:
             x = self.env[(ins.ref, ins.layout)]
             if ins.layout.is_partial:
                 return g.call_function(C.global_value, (x, self.group()), name="loss")
+            if ins.layout.is_sharded:  # a pipeline stage's rows: each rank's own, gradients arrive whole
+                return x
             return g.call_function(C.grad_scale, (x, 1.0 / self.world), name="loss")
         raise TypeError(f"unknown instruction {ins!r}")
 

@@ -296,6 +296,14 @@ def _attr(obj: Any, qualname: str) -> Any:
 
 def _bind_inputs(gm: fx.GraphModule, example_inputs: Any) -> dict[str, Any]:
     names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    star = [n for n in names if n.startswith("*")]
+    if star and not isinstance(example_inputs, dict):
+        # fx gives ``forward(self, *xs)`` one placeholder for the whole tuple: binding example
+        # tensors to it positionally would trace another computation
+        raise TraceError(
+            f"the model's forward takes variadic inputs ({', '.join(star)}): hapc traces one tensor per named "
+            "input; give forward named parameters (def forward(self, x, y)) or wrap the model in one that does"
+        )
     if isinstance(example_inputs, dict):
         missing = [n for n in names if n not in example_inputs and not n.startswith("*")]
         if missing:

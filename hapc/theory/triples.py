@@ -34,6 +34,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from .._util import without_gc
 from ..errors import UnsupportedOpError, UnsupportedOpWarning
@@ -41,7 +42,7 @@ from .cost import Comm, CostProfile, Linear
 from .granularity import Granularity, Key
 from .graph import BUFFER, INPUT, OP, PARAM, RefGraph, RefNode, map_refs
 from .instructions import COLLECTIVES, Collective, Compute, Instruction, Loss, Source
-from .props import DONE, PARTIAL, REPLICATED, Layout, Prop
+from .props import DONE, PARTIAL, REPLICATED, Layout, Prop, shard
 from .registry import OpView, Registry, default_registry
 from .strategy import OUT, Strategy
 from .trace import backward_work
@@ -272,7 +273,7 @@ class _Builder:
 
     def no_rule(self, n: RefNode) -> None:
         target = n.target if not n.is_method else f"torch.Tensor.{n.target}"
-        tname = getattr(target, "__qualname__", None) or str(target)
+        tname = _public_name(target)
         shapes = ", ".join(" ".join(f"d{k}" for k in range(self.g[o].meta.rank)) for o in n.operands)
         out = " ".join(f"d{k}" for k in range(n.meta.rank))
         msg = (
@@ -399,8 +400,11 @@ class _Builder:
                     for o, lay in zip(n.operands, s.inputs):
                         wanted[o].add(lay)
         loss = g.loss.index
-        wanted[loss] |= {PARTIAL, REPLICATED}
-        for lay in (PARTIAL, REPLICATED):
+        # a scalar loss may end Partial (its value is all-reduced); a non-scalar output (a pipeline
+        # stage's activations, sent on by one relay rank) must end whole on every rank
+        ends = (PARTIAL, REPLICATED) if g.loss.meta.rank == 0 else (REPLICATED, shard(0))
+        wanted[loss] |= set(ends)
+        for lay in ends:
             triples.append(Triple(frozenset({Prop(loss, lay)}), frozenset({DONE}), (Loss(loss, lay),), CostProfile()))
         for n in g:
             if n.kind in (INPUT, PARAM, BUFFER):
@@ -521,3 +525,23 @@ def _prune(triples: list[Triple]) -> list[Triple]:
                         needed.add(q)
                         stack.append(q)
     return [t for k, t in enumerate(triples) if kept[k]]
+
+
+def _public_name(target: Any) -> str:
+    """How a user spells ``target``: ``torch.special.erfcx`` rather than its C name ``special_erfcx``."""
+    import torch
+    import torch.nn.functional
+
+    if isinstance(target, str):
+        return target
+    for prefix, mod in (
+        ("F", torch.nn.functional),
+        ("torch.special", torch.special),
+        ("torch.linalg", torch.linalg),
+        ("torch.fft", torch.fft),
+        ("torch", torch),
+    ):
+        for name in dir(mod):
+            if not name.startswith("_") and getattr(mod, name, None) is target:
+                return f"{prefix}.{name}"
+    return getattr(target, "__qualname__", None) or str(target)
