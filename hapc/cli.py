@@ -20,6 +20,7 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -176,6 +177,8 @@ def cmd_synth(ns: argparse.Namespace) -> int:
     console = _console()
     cluster = Cluster.load(ns.cluster)
     model, inputs = load_model(ns.model, ns.arg)
+    if ns.pipeline:
+        return _synth_pipeline(ns, model, inputs, cluster, console)
 
     def progress(stats, score):
         console.print(f"[dim]  searching: {stats.expanded} expanded, {stats.generated} generated, score {score:.4g}[/]")
@@ -229,6 +232,35 @@ def cmd_synth(ns: argparse.Namespace) -> int:
 
         paths = emit_code(plan, plan._theory, ns.emit_code)  # type: ignore[attr-defined]
         console.print(f"per-rank code: {', '.join(str(p) for p in paths[:-1])} (plan: {paths[-1]})")
+    return 0
+
+
+def _synth_pipeline(ns: argparse.Namespace, model: Any, inputs: Any, cluster: Any, console: Any) -> int:
+    """``hapc synth --pipeline``: HARP's plan (stage table as in its App. C), the warm-up counts, the
+    schedule grid, the step time by Eq. 12 and by the simulator, and a Chrome trace of the replay."""
+    from .pipeline import micro_batches, plan_pipeline
+    from .pipeline.schedule import grid, schedule
+    from .pipeline.simulate import chrome_trace, compare_policies, policy_table, simulate
+
+    batch = next(x.shape[0] for x in inputs if hasattr(x, "shape") and x.dim())
+    plan = plan_pipeline(model, cluster, micro_batches(inputs, ns.micro, batch)[0], num_micro=ns.micro)
+    console.print(f"[bold]{ns.model}[/] pipelined on {cluster.describe()}")
+    console.print(plan.describe(), markup=False, highlight=False)
+    fwd = [s.fwd for s in plan.stages]
+    bwd = [s.bwd + s.sync / plan.num_micro for s in plan.stages]  # the step's gradient sync, spread
+    comm = [s.comm for s in plan.stages[:-1]]
+    sched = schedule(plan.warmups, plan.num_micro)
+    console.print("[bold]H-1F1B schedule[/] (one column per time step; F = forward, B = backward):")
+    console.print(grid(sched), markup=False, highlight=False)
+    sim = simulate(sched, fwd, bwd, comm)
+    console.print(f"step time: Eq. 12 {plan.time * 1e3:.3f} ms, simulated {sim.step_time * 1e3:.3f} ms")
+    if len(plan.stages) > 1:
+        console.print(policy_table(compare_policies(fwd, bwd, comm, plan.num_micro, clamp=True)))
+    chrome_trace(sim, ns.trace)
+    console.print(f"trace of the replay written to {ns.trace} (open in https://ui.perfetto.dev)")
+    if ns.json:
+        Path(ns.json).write_text(plan.dumps())
+        console.print(f"pipeline plan written to {ns.json}")
     return 0
 
 
@@ -348,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--solver", default="cbc", choices=["cbc", "highs"], help="LP solver")
     y.add_argument("--no-memory", action="store_true", help="ignore device memory limits")
     y.add_argument("--emit-code", metavar="DIR", help="write DIR/rank{r}.py for every rank and DIR/plan.json")
+    y.add_argument("--pipeline", action="store_true", help="plan a HARP pipeline over the cluster's device groups")
+    y.add_argument("--micro", type=int, default=8, help="micro-batches per step (with --pipeline)")
+    y.add_argument("--trace", default="pipeline_trace.json", help="Chrome trace of the simulated step (--pipeline)")
     y.set_defaults(fn=cmd_synth)
 
     f = sub.add_parser("profile", help="measure the running cluster (under torchrun) and write a cluster file")

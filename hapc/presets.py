@@ -89,6 +89,7 @@ def _harp1(arg: str | None) -> dict[str, Any]:
                 "flops": 156e12,
                 "memory": "40 GB",
                 "mem_bandwidth": "1.5 TB/s",
+                "intra_host": {"bandwidth": "300 GB/s", "latency": "5 us"},
             },
             {
                 "name": "v100e",
@@ -100,7 +101,7 @@ def _harp1(arg: str | None) -> dict[str, Any]:
             },
         ],
         "links": {
-            "intra_host": {"bandwidth": "150 GB/s", "latency": "5 us"},
+            "intra_host": {"bandwidth": "150 GB/s", "latency": "5 us"},  # the V100e hosts'; A100 hosts: 300 GB/s
             "inter_host": {"bandwidth": "200 Gbps", "latency": "10 us"},
             "between": [{"groups": ["a100", "v100e"], "bandwidth": "5 Gbps", "latency": "100 us"}],
         },

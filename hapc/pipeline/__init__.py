@@ -1,0 +1,111 @@
+"""The outer layer: HARP-style pipelines over device groups, each stage an SPMD program (DESIGN §6).
+
+* :mod:`~hapc.pipeline.layers` -- the fine layer sequence with repeated blocks (HARP §5.1);
+* :mod:`~hapc.pipeline.stagecost` -- a stage's time and memory on a sub-mesh, from the SPMD synthesizer;
+* :mod:`~hapc.pipeline.planner` / :mod:`~hapc.pipeline.dp` -- the HARP DP (Eq. 12-19);
+* :mod:`~hapc.pipeline.schedule` -- H-1F1B / 1F1B / Eager-1F1B as per-stage action lists (Eq. 1-2);
+* :mod:`~hapc.pipeline.simulate` -- a discrete-event replay and its Chrome trace;
+* :mod:`~hapc.pipeline.stages` -- cutting the reference graph into stage graphs;
+* :mod:`~hapc.pipeline.runtime` -- running the stages on process sub-groups.
+
+:func:`compile_pipeline` puts them together under ``torchrun``: rank 0 plans, every rank receives
+the plan as JSON, builds its stage's SPMD program and returns a :class:`PipelineModule`::
+
+    pm = hapc.pipeline.compile_pipeline(model, "harp-setting1", batch, num_micro=8)
+    loss = pm.train_step(*batch)      # forward + backward of every micro-batch (H-1F1B)
+    optimizer.step()                  # over pm.parameters(): this rank's stage
+
+Ranks map to devices in the order of the cluster file: the devices of its first group, then
+those of the second, and so on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._util import broadcast_json
+from ..cluster import Cluster
+from ..errors import HapcError
+from .planner import PipelinePlan, plan_pipeline
+from .runtime import PipelineModule, PipelineSpec, micro_batches
+from .schedule import POLICIES, eager_1f1b_warmup, one_f_one_b_warmup
+from .stagecost import sub_cluster
+
+
+def spec_from_plan(plan: PipelinePlan, cluster: Cluster, policy: str = "h1f1b") -> PipelineSpec:
+    """The runtime's view of a planned pipeline: cuts, ranks, stage clusters, warm-up counts."""
+    if policy not in POLICIES:
+        raise HapcError(f"unknown schedule {policy!r}; one of {', '.join(POLICIES)}")
+    offset, at = {}, 0
+    for g in cluster.groups:
+        offset[g.name] = at
+        at += g.devices
+    S = len(plan.stages)
+    warm = {
+        "h1f1b": list(plan.warmups),
+        "1f1b": one_f_one_b_warmup(S),
+        "eager-1f1b": eager_1f1b_warmup(S),
+    }[policy]
+    return PipelineSpec(
+        cuts=[s.nodes[0] for s in plan.stages[1:]],
+        ranks=[[offset[s.group] + d for d in s.devices] for s in plan.stages],
+        clusters=[sub_cluster(cluster, s.group, len(s.devices)) for s in plan.stages],
+        warmups=warm,
+        num_micro=plan.num_micro,
+    )
+
+
+def compile_pipeline(
+    model: torch.nn.Module,
+    cluster: Cluster | str,
+    example_inputs: Any,
+    plan: PipelinePlan | None = None,
+    *,
+    num_micro: int = 8,
+    schedule: str = "h1f1b",
+    emulate: dict[str, Any] | None = None,
+    **options: Any,
+) -> PipelineModule:
+    """This rank's stage of ``model`` pipelined over ``cluster`` (planned here when not given).
+
+    ``example_inputs`` is the global batch; it is split into ``num_micro`` equal micro-batches.
+    ``schedule``: ``"h1f1b"`` (the plan's warm-up counts), ``"1f1b"`` or ``"eager-1f1b"``.
+    ``options`` go to each stage's SPMD synthesis (see :func:`hapc.compile`)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise HapcError("compile_pipeline runs inside a distributed job: start it with torchrun")
+    cluster = Cluster.load(cluster) if not isinstance(cluster, Cluster) else cluster
+    if cluster.num_devices != dist.get_world_size():
+        raise HapcError(
+            f"cluster {cluster.name!r} has {cluster.num_devices} devices but the job has "
+            f"{dist.get_world_size()} processes; start one process per device"
+        )
+    inputs = tuple(example_inputs)
+    if plan is None:
+        plan = _agree(model, cluster, inputs, num_micro)
+    return PipelineModule(model, inputs, spec_from_plan(plan, cluster, schedule), emulate=emulate, **options)
+
+
+def _agree(model: torch.nn.Module, cluster: Cluster, inputs: tuple, num_micro: int) -> PipelinePlan:
+    """Rank 0 plans; everyone receives the plan as JSON."""
+
+    def make() -> dict[str, Any]:
+        batch = next(x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim())
+        micro = micro_batches(inputs, num_micro, batch)[0]
+        return plan_pipeline(model, cluster, micro, num_micro=num_micro).to_json()
+
+    return PipelinePlan.from_json(broadcast_json(make))
+
+
+__all__ = [
+    "PipelineModule",
+    "PipelinePlan",
+    "PipelineSpec",
+    "compile_pipeline",
+    "micro_batches",
+    "plan_pipeline",
+    "spec_from_plan",
+]

@@ -1,0 +1,405 @@
+"""The HARP inter-op DP (HARP §5.2.2-5.2.4, Eq. 12-19), exact for its cost oracle.
+
+A plan cuts the layer sequence ``l_0 .. l_{L-1}`` into stages ``s_1 .. s_S`` (contiguous, in order)
+and places stage ``s`` on a sub-mesh of one device group; the groups are taken in a fixed order
+and every device is used, so sub-meshes tile the ordered device list ``0 .. D-1``. With ``t_s``
+the stage's time per micro-batch and ``c_s`` the one-way transfer to the next stage, HARP Eq. 12:
+
+    T = Σ_s (t_s + 2 c_s) + (B - 1) · t_max,        t_max >= max_s t_s.
+
+For a fixed ``t_max`` (Eq. 13-19) the first term is minimised by a DP over suffixes. State
+``(i, p, b)``: layers ``i..L-1`` on devices ``p..D-1`` whose first stage runs at most ``b``
+warm-up forwards (``b = ∞``: any). Transition: a first stage ``l_i..l_j`` on ``n`` devices starting at
+``p`` with ``t <= t_max`` and ``c <= t_max`` (the H-1F1B condition), then the suffix
+``(j+1, p+n)``. H-1F1B (Eq. 1-2, 17): the stage's warm-up is ``N = N' + δ(c, t_max)`` with ``N'``
+the suffix's, and Eq. 18 requires ``mem_p + min(N, B)·mem_a <= mem_device``, i.e. ``N <= Nmax``
+for the stage; so the suffix is looked up with bound ``min(b, Nmax) - δ``. Keeping ``b`` in the
+state makes the memory constraint exact (HARP keeps one ``N`` per state, taken from the optimal
+substructure, which can miss a feasible plan); ``b`` only ranges up to the largest finite
+``Nmax`` any candidate has, bounds beyond that being unconstrained.
+
+``t_max`` is enumerated over the candidate stage times and the link thresholds where ``δ``
+changes (``c``, ``2c``, ``c/ε``: raising ``t_max`` there can buy memory), with HARP's
+bidirectional pruning (§5.2.4): binary search for the smallest feasible ``t_S``, no candidate above
+``T(t_S)/B`` (since ``T(t) >= B·t``); then downwards, each solution at ``t`` whose stages peak at
+``t' < t`` and stay feasible at ``t'`` is worth ``F(t) + (B-1)t'`` and every candidate in ``(t', t]``
+is dominated, so the search jumps below ``t'``. The *sparse candidate index* is built once:
+per first layer, every (sub-mesh, last layer) whose parameters and one micro-batch fit
+(memory only grows with ``j``, so a prefix); each ``t_max`` filters it with vector compares.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+INF = math.inf
+
+
+@dataclass(frozen=True)
+class Option:
+    """A kind of sub-mesh: ``size`` devices of group ``group`` (index in the plan's order)."""
+
+    group: int
+    size: int
+
+
+@dataclass
+class CostTable:
+    """Per-layer costs on each sub-mesh kind (rows follow ``options``); the DP's oracle.
+
+    ``fwd``/``bwd``: seconds per micro-batch; ``sync``: the stage's once-per-step gradient
+    synchronisation (charged as ``sync / B`` per micro-batch); ``mem_param``: bytes per device for
+    parameters, gradients and optimizer state; ``mem_act``: bytes per device saved for backward per
+    in-flight micro-batch; ``out_bytes[j]``: bytes crossing the cut after layer ``j``."""
+
+    options: list[Option]
+    fwd: np.ndarray
+    bwd: np.ndarray
+    sync: np.ndarray
+    mem_param: np.ndarray
+    mem_act: np.ndarray
+    out_bytes: np.ndarray
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.fwd.shape[1])
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """An ordered device group as the DP sees it."""
+
+    name: str
+    devices: int
+    devices_per_host: int
+    memory: float
+    flops: float
+
+
+@dataclass(frozen=True)
+class Links:
+    """``(bandwidth bytes/s, latency s)`` inside a host, between hosts of a group, and between
+    consecutive groups (``between[k]``: group ``k`` to ``k+1``)."""
+
+    intra_host: tuple[float, float]
+    inter_host: tuple[float, float]
+    between: tuple[tuple[float, float], ...]
+
+
+@dataclass
+class StageChoice:
+    lo: int
+    hi: int  # half-open layer range
+    option: int
+    start: int  # first device, global position in the ordered device list
+    time: float
+    comm: float  # one-way transfer to the next stage (0 for the last)
+    link: str
+    nmax: float  # most in-flight micro-batches memory allows (inf: unconstrained)
+
+
+@dataclass
+class Solution:
+    stages: list[StageChoice]
+    t_max: float
+    value: float  # Eq. 12 with t_max
+    warmups: list[int]
+    dp_runs: int
+    candidates: int
+
+
+def delta(c: np.ndarray | float, t_max: float, epsilon: float) -> np.ndarray:
+    """HARP Eq. 2, vectorised (``c = 0`` -> 1, as :func:`hapc.pipeline.schedule.h1f1b_delta`)."""
+    c = np.asarray(c, dtype=float)
+    return np.where(c <= epsilon * t_max, 1, np.where(c <= t_max / 2, 2, 3))
+
+
+class PipelineDP:
+    """The search for one cost table, device order, link set and micro-batch count."""
+
+    def __init__(self, table: CostTable, groups: list[GroupSpec], links: Links, num_micro: int, epsilon: float):
+        self.table, self.groups, self.links = table, groups, links
+        self.B, self.eps = int(num_micro), float(epsilon)
+        L = self.L = table.num_layers
+        self.offsets = np.cumsum([0] + [g.devices for g in groups]).tolist()
+        D = self.D = self.offsets[-1]
+        z = np.zeros((len(table.options), 1))
+        self.per_mb = table.fwd + table.bwd + table.sync / self.B
+        self.Pt = np.hstack([z, np.cumsum(self.per_mb, axis=1)])
+        self.Pp = np.hstack([z, np.cumsum(table.mem_param, axis=1)])
+        self.Pa = np.hstack([z, np.cumsum(table.mem_act, axis=1)])
+        reach = 3 * min(D, L) - 2  # the largest warm-up count any plan has
+        self.cap = min(self.B, reach)  # finite bounds >= cap are unconstrained
+        self._build_index()
+        self.runs = 0
+
+    # -- the sparse candidate index -----------------------------------------------------------
+    def _link(self, k: int, s: int, n: int) -> tuple[str, float, float]:
+        g = self.groups[k]
+        if s + n == g.devices:
+            if k + 1 == len(self.groups):
+                return "end", 0.0, 0.0
+            return "between", *self.links.between[k]
+        dph = g.devices_per_host
+        one_host = s // dph == (s + n) // dph
+        return ("intra_host", *self.links.intra_host) if one_host else ("inter_host", *self.links.inter_host)
+
+    def placements(self, k: int, n: int) -> list[int]:
+        """Local starts where ``n`` devices of group ``k`` form a sub-mesh: inside one host, or
+        whole aligned hosts (Alpa / HARP §5.2.2 sub-mesh shapes)."""
+        g = self.groups[k]
+        dph = g.devices_per_host
+        out = []
+        for s in range(g.devices - n + 1):
+            if n <= dph and s // dph == (s + n - 1) // dph:
+                out.append(s)
+            elif n > dph and n % dph == 0 and s % dph == 0:
+                out.append(s)
+        return out
+
+    def _build_index(self) -> None:
+        L, tb = self.L, self.table
+        cols: dict[str, list] = {k: [] for k in ("t", "c", "nmax", "ni", "np", "p", "o", "link")}
+        self.index: list[dict[str, np.ndarray]] = []
+        self.max_finite = 0
+        links: list[str] = []
+        place = []  # per option: [(link id, bandwidth, latency, global starts)], the end link last
+        for o, opt in enumerate(tb.options):
+            by_link: dict[str, tuple[float, float, list[int]]] = {}
+            for s in self.placements(opt.group, opt.size):
+                name, bw, lat = self._link(opt.group, s, opt.size)
+                by_link.setdefault(name, (bw, lat, []))[2].append(self.offsets[opt.group] + s)
+                if name not in links:
+                    links.append(name)
+            place.append((o, opt, [(links.index(n), bw, lat, np.array(st)) for n, (bw, lat, st) in by_link.items()]))
+        end = links.index("end") if "end" in links else -1
+        for i in range(L):
+            for key in cols:
+                cols[key] = []
+            for o, opt, groups in place:
+                mem = self.groups[opt.group].memory
+                js = np.arange(i, L)
+                mp = self.Pp[o, js + 1] - self.Pp[o, i]
+                ma = self.Pa[o, js + 1] - self.Pa[o, i]
+                fits = mp + ma <= mem
+                if not fits.any():
+                    continue
+                last = int(np.flatnonzero(fits)[-1])  # memory grows with j: a prefix fits
+                js, mp, ma = js[: last + 1], mp[: last + 1], ma[: last + 1]
+                t = self.Pt[o, js + 1] - self.Pt[o, i]
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    nmax = np.where(ma > 0, np.floor((mem - mp) / np.where(ma > 0, ma, 1)), INF)
+                nmax = np.where(nmax >= self.cap, INF, nmax)
+                for lk, bw, lat, starts in groups:
+                    sel = js == L - 1 if lk == end else js < L - 1  # the last stage ends the model
+                    if not sel.any():
+                        continue
+                    jj = js[sel]
+                    c = np.zeros(len(jj)) if lk == end else lat + tb.out_bytes[jj] / bw
+                    k = len(starts)
+                    cols["t"].append(np.tile(t[sel], k))
+                    cols["c"].append(np.tile(c, k))
+                    cols["nmax"].append(np.tile(nmax[sel], k))
+                    cols["ni"].append(np.tile(jj + 1, k))
+                    cols["p"].append(np.repeat(starts, len(jj)))
+                    cols["np"].append(np.repeat(starts + opt.size, len(jj)))
+                    cols["o"].append(np.full(len(jj) * k, o))
+                    cols["link"].append(np.full(len(jj) * k, lk))
+            if cols["t"]:
+                arr = {k: np.concatenate(v) for k, v in cols.items()}
+                order = np.argsort(arr["p"], kind="stable")
+                arr = {k: v[order] for k, v in arr.items()}
+                fin = arr["nmax"][np.isfinite(arr["nmax"])]
+                if len(fin):
+                    self.max_finite = max(self.max_finite, int(fin.max()))
+            else:
+                arr = {k: np.zeros(0) for k in cols}
+            self.index.append(arr)
+        self.link_names = links
+        kinds = {
+            "inner": [k for k, n in enumerate(links) if n in ("intra_host", "inter_host")],
+            "between": [k for k, n in enumerate(links) if n == "between"],
+        }
+        self._link_costs = {
+            kind: np.unique(np.concatenate([a["c"][np.isin(a["link"], ks)] for a in self.index] + [np.zeros(1)]))
+            for kind, ks in kinds.items()
+        }
+        self.K = K = min(self.cap, self.max_finite + 1)  # finite bounds 0..K-1; index K is "any"
+        for arr in self.index:  # flat offsets of G[j+1, p', 0] and Nmax as a bound index
+            arr["base"] = (arr["ni"].astype(np.int64) * (self.D + 1) + arr["np"].astype(np.int64)) * (K + 1)
+            arr["nm"] = np.where(np.isfinite(arr["nmax"]), arr["nmax"], K).astype(np.int64)
+
+    def candidates(self) -> np.ndarray:
+        """Sorted distinct ``t_max`` candidates: stage times and the ``δ`` thresholds of links."""
+        parts = [a["t"] for a in self.index if len(a["t"])]
+        cs = np.unique(np.concatenate([a["c"] for a in self.index if len(a["c"])] or [np.zeros(0)]))
+        cs = cs[cs > 0]
+        up = np.inf
+        parts += [np.nextafter(np.nextafter(x, up), up) for x in (cs, 2 * cs, cs / self.eps)]
+        return np.unique(np.concatenate(parts)) if parts else np.zeros(0)
+
+    # -- one t_max ---------------------------------------------------------------------------
+    def run(self, tau: float) -> np.ndarray:
+        """The table ``G[i, p, b]`` of Eq. 13 for ``t_max = tau``."""
+        self.runs += 1
+        K, L, D = self.K, self.L, self.D
+        self.Kr = min(K, self.reach(tau) + 1)  # bounds >= the largest warm-up at tau are "any"
+        G = np.full((L + 1, D + 1, K + 1), INF)
+        G[L, D, :] = 0.0
+        bs = np.arange(self.Kr + 1)
+        for i in range(L - 1, -1, -1):
+            a = self.index[i]
+            if not len(a["t"]):
+                continue
+            m = (a["t"] <= tau) & (a["c"] <= tau)
+            if not m.any():
+                continue
+            vals = self._values(a, m, tau, G, bs)
+            p = a["p"][m]
+            starts = np.flatnonzero(np.r_[True, p[1:] != p[:-1]])
+            G[i, p[starts].astype(int), : self.Kr + 1] = np.minimum.reduceat(vals, starts, axis=0)
+        return G
+
+    def _values(self, a: dict, m: np.ndarray, tau: float, G: np.ndarray, bs: np.ndarray) -> np.ndarray:
+        K = self.Kr
+        t, c = a["t"][m], a["c"][m]
+        d = delta(c, tau, self.eps)
+        nm = np.minimum(a["nm"][m], K)  # Nmax as a bound index (K: unconstrained)
+        idx = np.minimum(bs[None, :], nm[:, None])
+        idx = np.where(idx >= K, K, idx - d[:, None])
+        neg = idx < 0
+        np.maximum(idx, 0, out=idx)
+        idx += a["base"][m][:, None]
+        vals = G.ravel()[idx]
+        vals += (t + 2 * c)[:, None]
+        vals[neg] = INF
+        return vals
+
+    def reach(self, tau: float) -> int:
+        """The largest warm-up count any plan has at ``tau``: ``1 + Σ δ`` over at most
+        ``min(D, L) - 1`` links, of which ``groups - 1`` cross groups."""
+        dmax = {}
+        for kind, cs in self._link_costs.items():  # the costliest link of each kind usable at tau
+            k = int(np.searchsorted(cs, tau, side="right"))
+            dmax[kind] = int(delta(cs[k - 1] if k else 0.0, tau, self.eps))
+        nb = len(self.groups) - 1
+        links = min(self.D, self.L) - 1
+        return 1 + (links - nb) * dmax["inner"] + nb * max(dmax["inner"], dmax["between"])
+
+    def trace(self, G: np.ndarray, tau: float) -> list[StageChoice]:
+        """The stages of the optimum in ``G`` (re-derived transition by transition)."""
+        i, p, b = 0, 0, self.Kr
+        out = []
+        while i < self.L:
+            a = self.index[i]
+            m = (a["t"] <= tau) & (a["c"] <= tau) & (a["p"] == p)
+            bs = np.arange(self.Kr + 1)
+            vals = self._values(a, m, tau, G, bs)[:, b]
+            k = int(np.argmin(vals))
+            rows = np.flatnonzero(m)
+            r = rows[k]
+            d = int(delta(a["c"][r], tau, self.eps))
+            nmax = a["nmax"][r]
+            bound = min(b, int(nmax) if math.isfinite(nmax) and nmax < self.Kr else self.Kr)
+            o = int(a["o"][r])
+            out.append(
+                StageChoice(
+                    i,
+                    int(a["ni"][r]),
+                    o,
+                    p,
+                    float(a["t"][r]),
+                    float(a["c"][r]),
+                    self.link_names[int(a["link"][r])],
+                    float(nmax),
+                )
+            )
+            i, p = int(a["ni"][r]), int(a["np"][r])
+            b = self.Kr if bound >= self.Kr else bound - d
+        return out
+
+    # -- t_max enumeration -----------------------------------------------------------------------
+    def warmups(self, stages: list[StageChoice], tau: float) -> list[int]:
+        n = [1]
+        for s in reversed(stages[:-1]):
+            n.append(n[-1] + int(delta(s.comm, tau, self.eps)))
+        return n[::-1]
+
+    def feasible_at(self, stages: list[StageChoice], tau: float) -> bool:
+        if any(s.time > tau or s.comm > tau for s in stages):
+            return False
+        return all(min(n, self.B) <= s.nmax for n, s in zip(self.warmups(stages, tau), stages))
+
+    def lower_bound(self) -> float:
+        """No plan has a smaller t_max: every layer runs somewhere (on its fastest sub-mesh), and
+        each group boundary is crossed by a link after some layer (``c <= t_max``)."""
+        lb = float(self.per_mb.min(axis=0).max()) if self.L else 0.0
+        for bw, lat in self.links.between:
+            lb = max(lb, lat + float(self.table.out_bytes[: self.L - 1].min(initial=np.inf)) / bw)
+        return lb
+
+    def own_t_max(self, stages: list[StageChoice], cands: np.ndarray, tau: float) -> float:
+        """The smallest candidate ``t <= tau`` at which a solution found at ``tau`` stays feasible:
+        its value there, ``F(tau) + (B-1) t``, dominates every candidate in ``(t, tau]``."""
+        base = max(max(s.time for s in stages), max(s.comm for s in stages))
+        lo = int(np.searchsorted(cands, base, side="left"))
+        hi = int(np.searchsorted(cands, tau, side="right"))
+        up = np.inf
+        mine = {max(s.time for s in stages)}
+        for s in stages:
+            if s.comm > 0:
+                mine |= {float(np.nextafter(np.nextafter(x, up), up)) for x in (s.comm, 2 * s.comm, s.comm / self.eps)}
+        for t in sorted(x for x in mine if x >= base and x <= tau) + [tau]:
+            k = int(np.searchsorted(cands, t, side="left"))
+            if lo <= k < hi and cands[k] == t and self.feasible_at(stages, t):
+                return t
+        return tau
+
+    def solve(self) -> Solution | None:
+        cands = self.candidates()
+        if not len(cands):
+            return None
+        cache: dict[float, tuple[float, list[StageChoice] | None]] = {}
+
+        def at(tau: float) -> tuple[float, list[StageChoice] | None]:
+            if tau not in cache:
+                G = self.run(tau)
+                f = float(G[0, 0, self.Kr])
+                cache[tau] = (f, self.trace(G, tau) if math.isfinite(f) else None)
+            return cache[tau]
+
+        lo, hi = int(np.searchsorted(cands, self.lower_bound(), side="left")), len(cands) - 1
+        if lo > hi or not math.isfinite(at(float(cands[hi]))[0]):
+            return None
+        step = 1  # gallop up from the lower bound, then bisect: the smallest feasible t_max
+        while lo + step - 1 < hi:  # (feasibility grows with t_max; cands[hi] is feasible)
+            probe = lo + step - 1
+            if math.isfinite(at(float(cands[probe]))[0]):
+                hi = probe
+                break
+            lo, step = probe + 1, step * 2
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if math.isfinite(at(float(cands[mid]))[0]):
+                hi = mid
+            else:
+                lo = mid + 1
+        t_s = float(cands[lo])
+        f, stages = at(t_s)
+        best = (f + (self.B - 1) * t_s, t_s, stages)
+        k = int(np.searchsorted(cands, best[0] / self.B, side="right")) - 1
+        while k > lo:
+            tau = float(cands[k])
+            f, stages = at(tau)
+            assert stages is not None
+            used = self.own_t_max(stages, cands, tau)
+            value = f + (self.B - 1) * used
+            nxt = int(np.searchsorted(cands, used, side="left")) - 1
+            if value < best[0]:
+                best = (value, used, stages)
+            k = min(nxt, int(np.searchsorted(cands, best[0] / self.B, side="right")) - 1)
+        value, tau, stages = best
+        return Solution(stages, tau, value, self.warmups(stages, tau), self.runs, len(cands))

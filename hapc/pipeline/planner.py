@@ -1,0 +1,339 @@
+"""The HARP pipeline planner: layers -> stage costs -> DP -> a :class:`PipelinePlan` (HARP §5).
+
+``plan_pipeline(model, cluster, example_inputs, num_micro=B)`` traces the model (the example
+inputs are one micro-batch), builds the layer sequence (:mod:`hapc.pipeline.layers`, HARP §5.1),
+prices every layer on every sub-mesh kind with the SPMD synthesizer
+(:mod:`hapc.pipeline.stagecost`), orders the device groups and runs the DP of
+:mod:`hapc.pipeline.dp` (HARP Eq. 12-19 with exact memory, Eq. 18).
+
+* **Group order** (HARP §5.2.1): groups with a higher memory-to-compute ratio
+  (``memory / flops`` per device) come first, since early stages of a 1F1B-style schedule keep more
+  micro-batches in flight; ``order=[...]`` fixes it instead.
+* **Inter-stage communication** ``c`` (one way, one micro-batch): ``latency + out_bytes / bandwidth``
+  of the link between the two sub-meshes -- the groups' ``between`` link (or the inter-host link)
+  across groups; inside a group the intra-host link when sender and receiver share one host, else
+  the inter-host link. One transfer per micro-batch (the relay of HetAuto §5.2 sends the whole
+  activation once).
+* **Stage time** ``t = fwd + bwd + sync / B`` per micro-batch: the gradient all-reduce of a stage's
+  replicated weights happens once per step, so it is spread over the ``B`` micro-batches.
+* **Predicted step time** Eq. 12 ``T = Σ (t_s + 2 c_s) + (B-1) t_max`` and the load balance η of
+  Eq. 20, ``1 - Σ_d (td_max - td_d) F_d / (td_max Σ_d F_d)`` over devices ``d`` with ``td`` their
+  stage's compute time per micro-batch and ``F`` their peak flop/s.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..cluster import Cluster, Link
+from ..errors import HapcError
+from .dp import CostTable, GroupSpec, Links, Option, PipelineDP
+from .layers import Layer, build_layers
+from .schedule import HARP_EPSILON
+from .stagecost import StageCoster, submesh_sizes
+
+VERSION = 1
+
+
+class PlanningError(HapcError):
+    """No pipeline plan satisfies the cluster's memory and links."""
+
+
+@dataclass
+class PipelineStage:
+    """One stage: layers ``lo..hi-1`` on devices ``devices`` (indices within ``group``)."""
+
+    lo: int
+    hi: int
+    group: str
+    devices: list[int]
+    fwd: float  # seconds per micro-batch
+    bwd: float
+    sync: float  # gradient all-reduce, once per step
+    time: float  # fwd + bwd + sync / B, the t_s of Eq. 12
+    comm: float  # one-way transfer of one micro-batch to the next stage
+    link: str  # intra_host / inter_host / between / end
+    mem_param: float  # bytes per device: parameters x memory_factor
+    mem_act: float  # bytes per device per in-flight micro-batch
+    warmup: int  # H-1F1B warm-up forwards (in-flight micro-batches, capped by num_micro)
+    memory: float  # peak bytes per device: mem_param + min(warmup, num_micro) * mem_act
+    nodes: tuple[int, int] = (0, 0)  # first and last op node of the stage in the reference graph
+
+
+@dataclass
+class PipelinePlan:
+    stages: list[PipelineStage]
+    num_micro: int
+    t_max: float
+    warmups: list[int]
+    time: float  # Eq. 12
+    eta: float  # Eq. 20, in [0, 1]
+    group_order: list[str]
+    epsilon: float
+    num_layers: int
+    cluster_name: str = ""
+    memory_factor: float = 4.0
+    timings: dict[str, float] = field(default_factory=dict)
+    search: dict[str, int] = field(default_factory=dict)
+    version: int = VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> PipelinePlan:
+        if data.get("version") != VERSION:
+            raise HapcError(f"pipeline plan version {data.get('version')!r}, this hapc reads {VERSION}")
+        d = dict(data)
+        d["stages"] = [PipelineStage(**{**s, "nodes": tuple(s["nodes"])}) for s in d["stages"]]
+        return PipelinePlan(**d)
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json())
+
+    def cuts(self) -> list[int]:
+        """Graph cut points for :func:`hapc.pipeline.stages.split_graph`: the first op node of
+        every stage after the first (stage ``k`` holds ops with ``cuts[k-1] <= index < cuts[k]``)."""
+        return [s.nodes[0] for s in self.stages[1:]]
+
+    def time_split(self) -> dict[str, float]:
+        """Eq. 12's parts: the first micro-batch's compute and links, then the steady phase."""
+        comp = sum(s.time for s in self.stages)
+        comm = sum(2 * s.comm for s in self.stages)
+        return {"first_compute": comp, "first_comm": comm, "steady": (self.num_micro - 1) * self.t_max}
+
+    def describe(self) -> str:
+        """A stage table like HARP App. C (layer range, group, sub-mesh, time, memory)."""
+        from rich.console import Console
+        from rich.table import Table
+
+        tab = Table(title=f"pipeline: {len(self.stages)} stages, {self.num_micro} micro-batches")
+        for col in ("stage", "layers", "group", "sub-mesh", "fwd ms", "bwd ms", "t ms", "c ms", "link", "N", "GiB"):
+            tab.add_column(col, justify="right")
+        for k, s in enumerate(self.stages):
+            devs = f"{s.devices[0]}..{s.devices[-1]}" if len(s.devices) > 1 else str(s.devices[0])
+            tab.add_row(
+                str(k + 1),
+                f"[{s.lo}, {s.hi - 1}]",
+                s.group,
+                f"{len(s.devices)} ({devs})",
+                f"{s.fwd * 1e3:.2f}",
+                f"{s.bwd * 1e3:.2f}",
+                f"{s.time * 1e3:.2f}",
+                f"{s.comm * 1e3:.2f}",
+                s.link,
+                str(s.warmup),
+                f"{s.memory / 2**30:.2f}",
+            )
+        con = Console(width=140, record=True, file=_Null())
+        con.print(tab)
+        split = self.time_split()
+        con.print(
+            f"t_max {self.t_max * 1e3:.3f} ms, warm-ups {self.warmups}, Eq. 12 step time {self.time:.4f} s "
+            f"(first micro-batch {split['first_compute']:.4f} s compute + {split['first_comm']:.4f} s links, "
+            f"steady {split['steady']:.4f} s), eta {self.eta * 100:.1f}%"
+        )
+        return con.export_text()
+
+
+class _Null:
+    def write(self, s: str) -> int:
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+
+def group_order(cluster: Cluster, order: Sequence[str] | None = None) -> list[str]:
+    """HARP §5.2.1: higher memory-to-compute ratio first (ties keep the cluster's order)."""
+    names = [g.name for g in cluster.groups]
+    if order is not None:
+        if sorted(order) != sorted(names):
+            raise HapcError(f"order must list every group once: {names}, got {list(order)}")
+        return list(order)
+    return [g.name for g in sorted(cluster.groups, key=lambda g: -g.memory / g.flops)]
+
+
+def cluster_links(cluster: Cluster, names: Sequence[str]) -> Links:
+    def pair(a: str, b: str) -> tuple[float, float]:
+        link: Link = cluster.inter_host
+        for gs, between in cluster.between:
+            if gs == frozenset((a, b)):
+                link = between
+        return (link.bandwidth, link.latency)
+
+    return Links(
+        (cluster.intra_host.bandwidth, cluster.intra_host.latency),
+        (cluster.inter_host.bandwidth, cluster.inter_host.latency),
+        tuple(pair(a, b) for a, b in itertools.pairwise(names)),
+    )
+
+
+def cost_table(coster: StageCoster, layers: Sequence[Layer], names: Sequence[str]) -> CostTable:
+    groups = {g.name: g for g in coster.cluster.groups}
+    options, rows = [], []
+    for k, name in enumerate(names):
+        for n in submesh_sizes(groups[name]):
+            options.append(Option(k, n))
+            rows.append(coster.layer_costs(name, n))
+    stack = {key: np.stack([getattr(r, key) for r in rows]) for key in ("fwd", "bwd", "sync", "mem_param", "mem_act")}
+    return CostTable(options, **stack, out_bytes=np.array([float(x.out_bytes) for x in layers]))
+
+
+def solve(
+    table: CostTable,
+    groups: list[GroupSpec],
+    links: Links,
+    num_micro: int,
+    *,
+    epsilon: float = HARP_EPSILON,
+    layers: Sequence[Layer] | None = None,
+    memory_factor: float = 4.0,
+    cluster_name: str = "",
+) -> PipelinePlan:
+    """Run the DP on a cost table and turn the optimum into a :class:`PipelinePlan`."""
+    if num_micro < 1:
+        raise HapcError(f"num_micro must be >= 1, got {num_micro}")
+    t0 = time.perf_counter()
+    dp = PipelineDP(table, groups, links, num_micro, epsilon)
+    t1 = time.perf_counter()
+    sol = dp.solve()
+    t2 = time.perf_counter()
+    if sol is None:
+        raise PlanningError(_why_infeasible(table, groups, num_micro))
+    stages = []
+    for sc, n in zip(sol.stages, sol.warmups):
+        opt = table.options[sc.option]
+        g = groups[opt.group]
+        local = sc.start - dp.offsets[opt.group]
+        rng = slice(sc.lo, sc.hi)
+        mp, ma = float(table.mem_param[sc.option, rng].sum()), float(table.mem_act[sc.option, rng].sum())
+        nodes = (layers[sc.lo].first, layers[sc.hi - 1].last) if layers is not None else (0, 0)
+        stages.append(
+            PipelineStage(
+                sc.lo,
+                sc.hi,
+                g.name,
+                list(range(local, local + opt.size)),
+                float(table.fwd[sc.option, rng].sum()),
+                float(table.bwd[sc.option, rng].sum()),
+                float(table.sync[sc.option, rng].sum()),
+                sc.time,
+                sc.comm,
+                sc.link,
+                mp,
+                ma,
+                n,
+                mp + min(n, num_micro) * ma,
+                nodes,
+            )
+        )
+    return PipelinePlan(
+        stages=stages,
+        num_micro=num_micro,
+        t_max=sol.t_max,
+        warmups=sol.warmups,
+        time=sol.value,
+        eta=load_balance(stages, groups),
+        group_order=[g.name for g in groups],
+        epsilon=epsilon,
+        num_layers=table.num_layers,
+        cluster_name=cluster_name,
+        memory_factor=memory_factor,
+        timings={"index": t1 - t0, "dp": t2 - t1},
+        search={"dp_runs": sol.dp_runs, "t_max_candidates": sol.candidates, "memory_bounds": dp.K},
+    )
+
+
+def load_balance(stages: Sequence[PipelineStage], groups: Sequence[GroupSpec]) -> float:
+    """HARP Eq. 20 over devices: td = the device's stage compute time, F = its peak flop/s."""
+    flops = {g.name: g.flops for g in groups}
+    td = [(s.fwd + s.bwd, flops[s.group]) for s in stages for _ in s.devices]
+    tmax = max(t for t, _ in td)
+    if tmax <= 0:
+        return 1.0
+    return 1.0 - sum((tmax - t) * f for t, f in td) / (tmax * sum(f for _, f in td))
+
+
+def _why_infeasible(table: CostTable, groups: Sequence[GroupSpec], num_micro: int) -> str:
+    fewest = 0  # every device is used, a stage per sub-mesh: the fewest stages the groups allow
+    for k, g in enumerate(groups):
+        biggest = max(o.size for o in table.options if o.group == k)
+        fewest += g.devices // biggest + (g.devices % biggest > 0)
+    if fewest > table.num_layers:
+        return (
+            f"the {len(groups)} device groups ({', '.join(g.name for g in groups)}) need at least {fewest} "
+            f"pipeline stages but the model has only {table.num_layers} layers; build finer layers "
+            "(build_layers(min_compute=1)) or plan on fewer groups"
+        )
+    need = float(table.mem_param[0].sum() + table.mem_act[0].sum())
+    have = sum(g.devices * g.memory for g in groups)
+    gib = 2**30
+    if need > have:
+        return (
+            f"the model does not fit the cluster's memory: it needs at least {need / gib:.2f} GiB "
+            f"(parameters x memory_factor plus one micro-batch of activations) but the cluster has "
+            f"{have / gib:.2f} GiB in all, short by {(need - have) / gib:.2f} GiB; add devices, shrink the "
+            "micro-batch or the model"
+        )
+    return (
+        f"no pipeline fits: the model needs {need / gib:.2f} GiB of the cluster's {have / gib:.2f} GiB but no split "
+        "into stages keeps every device within its memory (HARP Eq. 18 with the H-1F1B in-flight counts) and "
+        "every link within t_max; use fewer micro-batches in flight (smaller num_micro), a smaller micro-batch, "
+        "or more memory"
+    )
+
+
+def plan_pipeline(
+    model: Any,
+    cluster: Cluster | str,
+    example_inputs: Any,
+    *,
+    num_micro: int = 8,
+    order: Sequence[str] | None = None,
+    epsilon: float = HARP_EPSILON,
+    memory_factor: float = 4.0,
+    min_compute: int = 2,
+    theory: Any = None,
+    layers: Sequence[Layer] | None = None,
+) -> PipelinePlan:
+    """Plan a HARP pipeline of ``model`` over ``cluster`` (``example_inputs``: one micro-batch)."""
+    from ..theory import derive, trace
+
+    cluster = Cluster.load(cluster) if not isinstance(cluster, Cluster) else cluster
+    t0 = time.perf_counter()
+    if theory is None:
+        theory = derive(trace(model, example_inputs))
+    t1 = time.perf_counter()
+    layers = list(layers) if layers is not None else build_layers(theory.graph, min_compute=min_compute)
+    t2 = time.perf_counter()
+    names = group_order(cluster, order)
+    coster = StageCoster(theory, layers, cluster, memory_factor=memory_factor)
+    table = cost_table(coster, layers, names)
+    t3 = time.perf_counter()
+    by_name = {g.name: g for g in cluster.groups}
+    groups = [
+        GroupSpec(n, by_name[n].devices, min(by_name[n].devices_per_host, by_name[n].devices), by_name[n].memory,
+                  by_name[n].flops)
+        for n in names
+    ]  # fmt: skip
+    plan = solve(
+        table,
+        groups,
+        cluster_links(cluster, names),
+        num_micro,
+        epsilon=epsilon,
+        layers=layers,
+        memory_factor=memory_factor,
+        cluster_name=cluster.name,
+    )
+    plan.timings = {"trace+derive": t1 - t0, "layers": t2 - t1, "costing": t3 - t2, **plan.timings}
+    plan.search["syntheses"] = coster.syntheses
+    return plan

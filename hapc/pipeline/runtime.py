@@ -1,0 +1,429 @@
+"""Running a pipeline: stages on process sub-groups, micro-batches by a schedule (HARP §4, HetAuto §5.2).
+
+Every rank belongs to one stage. A stage is an SPMD program over its own process group, built
+exactly like :func:`hapc.compile` builds one for a whole model (theory, A*, LP, generated code),
+from the stage's reference graph (:mod:`hapc.pipeline.stages`); its output is packed as
+``[rows, features]`` (the batch is the rows), batch-sharded or replicated as its plan chose.
+Ranks execute their stage's action list (:mod:`hapc.pipeline.schedule`) in order, each action
+one method of :class:`_Step`:
+
+=============  =================================================================================
+``SEND_ACT``   each rank holding a slice of the output rows sends it across the link, once, to
+               that slice's *relay* in the next stage (:mod:`hapc.pipeline.reshard`)
+``RECV_ACT``   a relay receives its slice and forwards the overlaps other ranks of its stage need
+               over the fast links; every rank assembles the rows its program takes (its own rows
+               when it takes the activations batch-sharded, all rows otherwise)
+``F``          the stage's program on micro-batch ``m``
+``B``          backward of micro-batch ``m`` (replicated weights accumulate under ``no_sync``
+               and are summed once, at the step's last backward)
+``SEND_GRAD``  each rank sends its rows' input gradient to the slices' relays, which sum them (a
+               row several ranks used has a Partial gradient, DESIGN §3) and send each slice's
+               gradient back across the link, once
+``RECV_GRAD``  each sending rank receives its rows' gradient (a replicated output: the first
+               rank receives it and broadcasts it in its group)
+=============  =================================================================================
+
+Sends never block and receives do, which the schedules are proven deadlock-free under; inside an
+action every rank issues its sends before it waits. The loss of micro-batch ``m`` is seeded with
+``1/M``: the batch loss is the mean of equal micro-batches' mean losses (see ``Limits`` in README).
+
+A slow link can be *emulated* (``emulate={"bandwidth": bytes_per_s, "latency": s, "between": [(0, 1)]}``,
+by default every link between neighbouring stages): each message across it carries the time it may
+be consumed, ``max(sent, link free) + latency + bytes / bandwidth`` on a clock all local processes
+share, and the receiver waits until then. This is emulation, for benchmarks on one machine; it
+does not slow the sender's compute.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._util import broadcast_json
+from ..cluster import Cluster
+from ..errors import HapcError
+from ..plan import Plan
+from ..theory.graph import BUFFER, PARAM
+from . import reshard
+from .schedule import Action, schedule
+from .stages import ACT_PREFIX, StageGraph, split_graph
+
+
+@dataclass
+class PipelineSpec:
+    """Where the cuts are and who runs each stage (what the planner decides).
+
+    ``cuts``: reference-graph node indices where stages begin (``S - 1`` of them); ``ranks[k]``:
+    the global ranks of stage ``k`` (its first is the relay); ``clusters[k]``: those devices as a
+    cluster, for the stage's SPMD synthesis; ``warmups[k]``: forwards stage ``k`` launches before
+    its first backward; ``num_micro``: micro-batches per step."""
+
+    cuts: list[int]
+    ranks: list[list[int]]
+    clusters: list[Cluster]
+    warmups: list[int]
+    num_micro: int
+    plans: list[Plan] = field(default_factory=list)
+
+    def check(self, world: int) -> None:
+        S = len(self.ranks)
+        if not (len(self.cuts) == S - 1 == len(self.clusters) - 1 == len(self.warmups) - 1):
+            raise HapcError(
+                f"pipeline spec: {len(self.cuts)} cuts, {S} rank lists, {len(self.clusters)} clusters and "
+                f"{len(self.warmups)} warm-up counts; a pipeline of S stages needs S - 1 cuts and S of the others"
+            )
+        flat = sorted(r for rs in self.ranks for r in rs)
+        if flat != list(range(world)):
+            raise HapcError(
+                f"pipeline stages use ranks {self.ranks}: every rank 0..{world - 1} of the job must be in "
+                "exactly one stage"
+            )
+        for k, (rs, c) in enumerate(zip(self.ranks, self.clusters)):
+            if len(rs) != c.num_devices:
+                raise HapcError(f"stage {k} runs on {len(rs)} ranks but its cluster has {c.num_devices} devices")
+
+
+def micro_batches(inputs: Sequence[Any], num_micro: int, batch: int) -> list[tuple[Any, ...]]:
+    """Split every input whose first dim is the batch into ``num_micro`` equal parts."""
+    if batch % num_micro:
+        raise HapcError(
+            f"the batch of {batch} does not split into {num_micro} equal micro-batches; choose a "
+            "micro-batch count that divides it"
+        )
+    out = []
+    for m in range(num_micro):
+        step = batch // num_micro
+        out.append(
+            tuple(
+                x.narrow(0, m * step, step) if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == batch else x
+                for x in inputs
+            )
+        )
+    return out
+
+
+class PipelineModule(nn.Module):
+    """This rank's stage of a pipeline. ``loss = module.train_step(*batch)`` runs forward and
+    backward of every micro-batch by the schedule and leaves each local parameter with exactly
+    its share of the single-device gradient of the whole batch; then step any optimizer over
+    ``module.parameters()``. The returned loss is the batch loss, on every rank."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        example_inputs: Sequence[Any],
+        spec: PipelineSpec,
+        *,
+        device: Any = None,
+        seed: int = 0,
+        emulate: dict[str, float] | None = None,
+        **options: Any,
+    ):
+        super().__init__()
+        from ..codegen.module import CompiledModule
+        from ..theory import derive, trace
+
+        if not dist.is_initialized():
+            raise HapcError("a pipeline runs inside a distributed job: start it with torchrun")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        spec.check(world)
+        self.spec, self.num_micro, self.emulate = spec, spec.num_micro, emulate
+        inputs = tuple(example_inputs)
+        self.batch = next(x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim())
+        micro = micro_batches(inputs, spec.num_micro, self.batch)[0]
+        graph = trace(model, micro)
+        self.input_names = list(graph.input_names)
+        stages = split_graph(graph, spec.cuts)
+        # every rank creates every stage's group, in the same order (torch.distributed requires it)
+        groups = [dist.new_group(rs) for rs in spec.ranks]
+        self.stage = next(k for k, rs in enumerate(spec.ranks) if rank in rs)
+        self.sg: StageGraph = stages[self.stage]
+        self.group = groups[self.stage]
+        self.num_stages = len(stages)
+        self.relay = [rs[0] for rs in spec.ranks]  # each stage's first rank (state and loss broadcasts)
+        S = len(spec.ranks)
+        theories = [derive(s.graph, **_theory_options(options)) for s in stages]
+        if not spec.plans:
+            spec.plans = _agree_on_plans(theories, spec.clusters, options)
+        plan = spec.plans[self.stage]
+        self.module = CompiledModule(model, theories[self.stage], plan, group=self.group, device=device, seed=seed)
+        self.device = self.module.device
+        self.actions: list[Action] = schedule(spec.warmups, spec.num_micro)[self.stage]
+        # how each cut's rows travel (HetAuto §5.2): slices held by senders, rows needed by receivers
+        self.cut = [_Boundary(k, stages, theories, spec) for k in range(S - 1)]
+        self.inbound = self.cut[self.stage - 1] if self.stage > 0 else None
+        self.outbound = self.cut[self.stage] if self.stage < S - 1 else None
+        self._link_free: dict[int, float] = {}  # per destination: when the emulated link is idle again
+        self.peak_in_flight = 0  # most micro-batches held between forward and backward in a step
+        # emulated links, as (stage, stage + 1) pairs; all of them unless ``emulate["between"]`` says
+        self._slow_links = {tuple(p) for p in (emulate or {}).get("between", zip(range(S), range(1, S)))}
+        # state_dict names (and shapes) of the parameters and buffers each stage holds
+        keys = set(model.state_dict())
+        self.stage_tensors = [
+            {n.target: n.meta for n in s.graph if n.kind in (PARAM, BUFFER) and n.target in keys} for s in stages
+        ]
+
+    # -- the step -------------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise HapcError(
+            "a pipelined module does not run a forward alone: its micro-batches' forwards and backwards "
+            "interleave by the schedule. Train with `loss = module.train_step(*batch)`, then optimizer.step()"
+        )
+
+    def train_step(self, *inputs: Any) -> torch.Tensor:
+        if len(inputs) != len(self.input_names):
+            raise TypeError(f"train_step takes the model inputs {self.input_names}, got {len(inputs)} values")
+        step = _Step(self, [dict(zip(self.input_names, b)) for b in micro_batches(inputs, self.num_micro, self.batch)])
+        for a in self.actions:
+            getattr(step, a.kind)(a.micro)  # one method per action kind, as fx's Interpreter
+        for works, *_ in step.sends:
+            for work in works:
+                work.wait()
+        self.compute_seconds = step.compute
+        return self._batch_loss(step.losses)
+
+    def _batch_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        last = self.num_stages - 1
+        value = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.stage == last:
+            value = torch.stack([loss.detach().to(torch.float64) for loss in losses]).mean()
+        dist.broadcast(value, src=self.relay[last])
+        return value
+
+    # -- messages -------------------------------------------------------------------------------------
+    def _isend(self, x: torch.Tensor, dst: int, tag: int, emulated: bool) -> tuple[list[Any], torch.Tensor]:
+        """Start sending ``x`` with its (emulated) arrival time appended: one message, never waited on here."""
+        nbytes = x.numel() * x.element_size()
+        when = self._arrival(dst, nbytes) if emulated else 0.0
+        stamp = torch.tensor([when], dtype=torch.float64, device=x.device).view(x.dtype)
+        msg = torch.cat([x.detach().reshape(-1), stamp])
+        return [dist.isend(msg, dst=dst, tag=tag)], msg
+
+    def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
+        """Receive a message (waiting for its emulated arrival, if any)."""
+        numel = math.prod(shape)
+        extra = torch.empty(1, dtype=torch.float64).view(dtype).numel()  # the stamp, in elements of dtype
+        msg = torch.empty(numel + extra, dtype=dtype, device=self.device)
+        dist.recv(msg, src=src, tag=tag)
+        wait = float(msg[numel:].cpu().view(torch.float64)) - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        return msg[:numel].view(shape)
+
+    def _arrival(self, dst: int, nbytes: int) -> float:
+        now = time.monotonic()
+        peer = next(k for k, rs in enumerate(self.spec.ranks) if dst in rs)
+        if not self.emulate or (min(peer, self.stage), max(peer, self.stage)) not in self._slow_links:
+            return now
+        start = max(now, self._link_free.get(dst, 0.0))  # one transfer at a time per direction
+        self._link_free[dst] = start + nbytes / self.emulate["bandwidth"]
+        return self._link_free[dst] + self.emulate.get("latency", 0.0)
+
+    # -- state ----------------------------------------------------------------------------------------
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Every parameter's whole gradient by ``state_dict`` name, from all stages (all ranks
+        call; every rank gets them): what single-device training of the batch holds in ``.grad``."""
+        return self._from_relays(self.module.full_gradients())
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The single-device parameters and buffers of every stage (all ranks call; all get them)."""
+        return self._from_relays(self.module.full_state_dict())
+
+    def _from_relays(self, mine: dict[str, Any]) -> dict[str, torch.Tensor]:
+        # each stage's relay broadcasts its tensors, whose names and shapes every rank knows
+        out: dict[str, torch.Tensor] = {}
+        for k, names in enumerate(self.stage_tensors):
+            for name, meta in names.items():
+                if name in out:
+                    continue
+                t = mine[name] if k == self.stage else torch.empty(meta.shape, dtype=meta.dtype)
+                t = t.to(self.device).contiguous()  # NCCL broadcasts device tensors
+                dist.broadcast(t, src=self.relay[k])
+                out[name] = t.cpu()
+        return out
+
+
+class _Step:
+    """The state of one training step on one rank while its actions run (see the module table)."""
+
+    def __init__(self, pm: PipelineModule, batches: list[dict[str, Any]]):
+        self.pm, self.batches = pm, batches
+        self.acts: dict[int, torch.Tensor] = {}  # received activations (leaves whose grad we send back)
+        self.outs: dict[int, torch.Tensor] = {}  # outputs awaiting their backward
+        self.grads: dict[int, torch.Tensor] = {}  # received output gradients
+        self.back: dict[int, torch.Tensor] = {}  # input gradients awaiting their send
+        self.sends: list[tuple[list[Any], torch.Tensor]] = []
+        self.losses: list[torch.Tensor] = []
+        self.compute = 0.0
+        self.backwards = 0
+        k = pm.stage
+        self.prev = k - 1 if k > 0 else None
+        self.next = k + 1 if k < pm.num_stages - 1 else None
+
+    def RECV_ACT(self, m: int) -> None:
+        """Rows this rank needs, slice by slice: across the link if it relays the slice, else from
+        the slice's relay inside the group (which forwards without waiting)."""
+        pm, cut, me = self.pm, self.pm.inbound, dist.get_rank()
+        lo, hi = cut.need[me]
+        buf = torch.empty((hi - lo, cut.features), dtype=cut.dtype, device=pm.device)
+        for rt in cut.routes:
+            mine = next((c for c in rt.copies if c[0] == me), None)
+            if me == rt.relay:
+                piece = pm._recv((rt.hi - rt.lo, cut.features), cut.dtype, rt.src, _ACT)
+                for r, a, b in rt.copies:
+                    if r != me:
+                        self.sends.append(pm._isend(piece[a - rt.lo : b - rt.lo], r, _ACT, False))
+                _, a, b = mine
+                buf[a - lo : b - lo] = piece[a - rt.lo : b - rt.lo]
+            elif mine is not None:
+                _, a, b = mine
+                buf[a - lo : b - lo] = pm._recv((b - a, cut.features), cut.dtype, rt.relay, _ACT)
+        self.acts[m] = buf.requires_grad_()
+
+    def F(self, m: int) -> None:
+        t0 = time.perf_counter()
+        pm, sg = self.pm, self.pm.sg
+        args = [self.batches[m][n] for n in sg.model_inputs]
+        if sg.receives:
+            args += sg.unpack(self.acts[m])
+        self.outs[m] = pm.module(**dict(zip(sg.graph.input_names, args)))  # by name: not the model's signature
+        pm.peak_in_flight = max(pm.peak_in_flight, len(self.outs))
+        if self.next is None:
+            self.losses.append(self.outs[m])
+        self.compute += time.perf_counter() - t0
+
+    def SEND_ACT(self, m: int) -> None:
+        """This rank's slice of the output, across the link to the slice's relay."""
+        cut, me = self.pm.outbound, dist.get_rank()
+        rows = self.outs[m].detach().reshape(-1, cut.features)
+        for rt in cut.routes:
+            if rt.src == me:
+                self.sends.append(self.pm._isend(rows, rt.relay, _ACT, True))
+
+    def RECV_GRAD(self, m: int) -> None:
+        """The gradient of this rank's rows (a replicated output: the first rank's, then broadcast)."""
+        pm, cut, me = self.pm, self.pm.outbound, dist.get_rank()
+        out = self.outs[m]
+        if cut.replicated:
+            g = torch.empty(out.shape, dtype=out.dtype, device=pm.device)
+            for rt in cut.routes:
+                if rt.src == me:
+                    g.copy_(pm._recv((rt.hi - rt.lo, cut.features), cut.dtype, rt.relay, _GRAD).view(out.shape))
+            if pm.module.world > 1:
+                dist.broadcast(g, src=pm.spec.ranks[pm.stage][0], group=pm.group)
+        else:
+            g = torch.zeros((out.numel() // cut.features, cut.features), dtype=out.dtype, device=pm.device)
+            for rt in cut.routes:
+                if rt.src == me:
+                    g.copy_(pm._recv((rt.hi - rt.lo, cut.features), cut.dtype, rt.relay, _GRAD))
+            g = g.view(out.shape)
+        self.grads[m] = g
+
+    def B(self, m: int) -> None:
+        t0 = time.perf_counter()
+        pm = self.pm
+        out = self.outs.pop(m)
+        # the batch loss is the mean of the micro-batches' losses: seed each with 1/M
+        if self.next is None:
+            seed = torch.tensor(1.0 / pm.num_micro, dtype=out.dtype, device=out.device)
+        else:
+            seed = self.grads.pop(m)
+        self.backwards += 1
+        if self.backwards < pm.num_micro:
+            with pm.module.no_sync():  # the stage's replicated gradients are summed once, at the last
+                out.backward(seed)
+        else:
+            out.backward(seed)
+        if self.prev is not None:
+            x = self.acts.pop(m)
+            self.back[m] = x.grad if x.grad is not None else torch.zeros_like(x)
+        self.compute += time.perf_counter() - t0
+
+    def SEND_GRAD(self, m: int) -> None:
+        """Each overlap's gradient to its slice's relay; relays sum them and send each slice's
+        gradient back across the link. All sends to relays go first: relays then only wait."""
+        pm, cut, me = self.pm, self.pm.inbound, dist.get_rank()
+        g = self.back.pop(m)
+        lo = cut.need[me][0]
+        for rt in cut.routes:
+            for r, a, b in rt.copies:
+                if r == me and rt.relay != me:
+                    self.sends.append(pm._isend(g[a - lo : b - lo], rt.relay, _GRAD, False))
+        for rt in cut.routes:
+            if rt.relay != me:
+                continue
+            total = torch.zeros((rt.hi - rt.lo, cut.features), dtype=cut.dtype, device=pm.device)
+            for r, a, b in rt.copies:
+                if r == me:
+                    total[a - rt.lo : b - rt.lo] += g[a - lo : b - lo]
+                else:
+                    total[a - rt.lo : b - rt.lo] += pm._recv((b - a, cut.features), cut.dtype, r, _GRAD)
+            self.sends.append(pm._isend(total, rt.src, _GRAD, True))
+
+
+_ACT, _GRAD = 1, 2  # message tags: activations forward, gradients backward
+
+
+class _Boundary:
+    """The cut between stage ``k`` and ``k + 1``: the packed output's rows and who holds / needs which.
+
+    The sender's rows follow its plan's output layout (batch-sharded: every rank its rows;
+    replicated: the first rank all). A receiver needs its own rows when its plan sources every
+    incoming activation batch-sharded, all rows otherwise."""
+
+    def __init__(self, k: int, stages: list[StageGraph], theories: list[Any], spec: PipelineSpec):
+        send, recv = stages[k], stages[k + 1]
+        out = send.graph.loss
+        self.dtype = out.meta.dtype
+        self.rows = out.meta.shape[0] if out.meta.rank == 2 else out.meta.numel
+        self.features = out.meta.numel // self.rows
+        lay = _output_layout(spec.plans[k], out.index)
+        self.replicated = not lay.is_sharded
+        sizes = None if self.replicated else theories[k].local_sizes(out.index, 0, spec.plans[k].device_ratios)
+        held = reshard.slices(spec.ranks[k], sizes, self.rows)
+        acts = [n for n in recv.graph.inputs if n.name.startswith(ACT_PREFIX)]
+        need_sizes = None
+        if out.meta.rank == 2:
+            layouts = [_source_layouts(spec.plans[k + 1], n.index) for n in acts]
+            if all(ls and all(lay.is_sharded and lay.dim == 0 for lay in ls) for ls in layouts):
+                per = [tuple(theories[k + 1].local_sizes(n.index, 0, spec.plans[k + 1].device_ratios)) for n in acts]
+                if len(set(per)) == 1:
+                    need_sizes = list(per[0])
+        self.need = reshard.needs(spec.ranks[k + 1], need_sizes, self.rows)
+        self.routes = reshard.routes(held, self.need)
+
+
+def _output_layout(plan: Plan, ref: int) -> Any:
+    return next(i.layout for i in plan.instructions if type(i).__name__ == "Loss" and i.ref == ref)
+
+
+def _source_layouts(plan: Plan, ref: int) -> list[Any]:
+    return [i.layout for i in plan.instructions if type(i).__name__ == "Source" and i.ref == ref]
+
+
+def _theory_options(options: dict[str, Any]) -> dict[str, Any]:
+    from ..api import THEORY_OPTIONS
+
+    out = {k: options[k] for k in THEORY_OPTIONS if k in options}
+    if "variants" in out:
+        out["variants"] = tuple(out["variants"])
+    return out
+
+
+def _agree_on_plans(theories: list[Any], clusters: list[Cluster], options: dict[str, Any]) -> list[Plan]:
+    """Rank 0 synthesizes every stage's SPMD program; all ranks receive the plans as JSON."""
+    from ..api import SYNTH_OPTIONS, synthesize_theory
+
+    synth = {k: v for k, v in options.items() if k in SYNTH_OPTIONS}
+    data = broadcast_json(lambda: [synthesize_theory(t, c, **synth).to_json() for t, c in zip(theories, clusters)])
+    return [Plan.from_json(p) for p in data]
+
+
+__all__ = ["PipelineModule", "PipelineSpec", "micro_batches"]

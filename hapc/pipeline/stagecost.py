@@ -1,0 +1,181 @@
+"""Stage costs from the SPMD synthesizer (DESIGN §6 step 2; HARP §5.1's profiler, replaced).
+
+HARP profiles every distinct (stage, sub-mesh) pair on the GPUs with an intra-op planner limited
+to homogeneous meshes. hapc prices it with its own synthesizer instead: a stage on ``n`` devices of
+a group runs the SPMD program A* + DP finds for those ``n`` devices (HAP §4-5), under the cost
+model of :mod:`hapc.synth.cost` on a sub-cluster of ``n`` devices (one host if ``n`` fits in
+one, else ``n / devices_per_host`` whole hosts).
+
+**Approach.** The synthesizer's node-segmented DP (``segments="node"``) prices a program as the
+sum of its segments, one computed node each, and solves a repeated block once. So the whole
+model is synthesized *once per sub-mesh kind* and each segment's triples are priced by
+:meth:`~hapc.synth.cost.CostModel.breakdown`; a layer's cost is the sum over its nodes, and a
+stage's (a layer range) the sum over its layers -- prefix sums, so every (layer range, sub-mesh)
+pair is costed once, in O(1), and equal layers get equal costs. Each layer's program is the one
+the whole-model optimum chose at that point; a stage synthesized on its own may enter in a
+better layout (its input arrives through the inter-stage relay anyway), so the decomposed cost
+is an upper bound of the stage's own optimum that equals it away from stage boundaries.
+
+Per layer and sub-mesh kind (per device; homogeneous sub-meshes have equal shards):
+
+* ``fwd`` / ``bwd``: the forward / backward stages' time per micro-batch (collectives + the
+  slowest device's compute, HAP §3.2);
+* ``sync``: the bucketed all-reduce of replicated weights' gradients, paid once per step (the
+  planner charges ``sync / B`` per micro-batch);
+* ``mem_param``: parameter bytes x ``memory_factor`` (4 = weights, gradients and two Adam moments,
+  all in the parameter dtype; the synthesizer's convention);
+* ``mem_act``: activation bytes saved for the backward of one micro-batch (what each in-flight
+  micro-batch of H-1F1B holds, HARP Eq. 18).
+
+Sub-meshes mixing groups (HAP ratios inside a stage) are not planned yet: HARP's DP places a
+stage in one group, and so does :mod:`hapc.pipeline.planner`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..cluster import Cluster, Group
+from ..errors import HapcError
+from ..synth.cost import CostModel
+from ..synth.synthesizer import SynthSpace, synthesize_program
+from ..theory.instructions import Compute
+from ..theory.props import DONE, Prop
+from ..theory.triples import Theory
+from .layers import Layer
+
+
+def submesh_sizes(group: Group) -> list[int]:
+    """Sub-mesh sizes of a group (Alpa / HARP §5.2.2): 1, 2, 4, .. up to a host, then whole hosts."""
+    dph = min(group.devices_per_host, group.devices)
+    sizes, n = [], 1
+    while n < dph:
+        sizes.append(n)
+        n *= 2
+    sizes.append(dph)
+    sizes += [k * dph for k in range(2, group.devices // dph + 1)]
+    return sorted(set(sizes))
+
+
+def sub_cluster(cluster: Cluster, group: str, size: int) -> Cluster:
+    """``size`` devices of ``group`` as a cluster of their own (one host, or whole hosts)."""
+    g = next((x for x in cluster.groups if x.name == group), None)
+    if g is None:
+        raise HapcError(f"unknown group {group!r} (groups: {', '.join(x.name for x in cluster.groups)})")
+    if not 1 <= size <= g.devices:
+        raise HapcError(f"group {group!r} has {g.devices} devices, cannot form a sub-mesh of {size}")
+    dph = min(g.devices_per_host, size)
+    if size > dph and size % dph:
+        raise HapcError(f"a sub-mesh of {size} devices spanning hosts of {dph} must take whole hosts")
+    sub = dataclasses.replace(g, devices=size, devices_per_host=dph)
+    return dataclasses.replace(
+        cluster, name=f"{cluster.name}[{group}x{size}]", groups=(sub,), between=(), collectives=()
+    )
+
+
+@dataclasses.dataclass
+class LayerCosts:
+    """Per-layer costs of one sub-mesh kind (arrays over the layer list)."""
+
+    fwd: np.ndarray
+    bwd: np.ndarray
+    sync: np.ndarray
+    mem_param: np.ndarray
+    mem_act: np.ndarray
+    program_time: float  # the synthesized whole-model program's time (fwd + bwd + sync)
+
+
+class StageCoster:
+    """Costs of layer ranges on sub-meshes, memoised per sub-mesh kind ``(group, size)``.
+
+    The theory's segment space is shared by every sub-mesh size with the same shardable triples
+    (it depends on nothing else), so a 146-layer GPT-39B is segmented once, not once per size.
+    """
+
+    def __init__(self, theory: Theory, layers: Sequence[Layer], cluster: Cluster, *, memory_factor: float = 4.0):
+        if cluster.virtual != "gpu":
+            raise HapcError("pipeline planning needs virtual = 'gpu' clusters (one device per rank)")
+        self.theory, self.layers, self.cluster = theory, list(layers), cluster
+        self.memory_factor = memory_factor
+        self._layer_of: dict[int, int] = {x: layer.index for layer in self.layers for x in layer.nodes}
+        self._spaces: dict[frozenset, SynthSpace] = {}
+        self._costs: dict[tuple[str, int], LayerCosts] = {}
+        self.syntheses = 0
+        self._atoms: np.ndarray | None = None
+
+    def shardable(self, m: int) -> frozenset[int]:
+        """:func:`~hapc.synth.synthesizer.shardable_triples` for ``m`` devices, from one pass that
+        records each triple's smallest sharded extent (a triple is allowed while ``m`` <= it)."""
+        if self._atoms is None:
+            th = self.theory
+            atoms = []
+            for t in th.triples:
+                props = list(t.pre) + list(t.post)
+                for ins in t.instrs:
+                    if isinstance(ins, Compute):
+                        node = th.graph[ins.ref]
+                        props += [Prop(o, lay) for o, lay in zip(node.operands, ins.inputs)]
+                sizes = [th.atoms(p.ref, p.layout.dim) for p in props if p != DONE and p.layout.is_sharded]
+                atoms.append(min(sizes, default=math.inf))
+            self._atoms = np.array(atoms, dtype=float)
+        return frozenset(np.flatnonzero(self._atoms >= m).tolist())
+
+    def _space(self, m: int) -> SynthSpace:
+        # one device: every layout costs the same and the replicated program is in every space,
+        # so the two-device space (a subset) finds the same optimum without a segmentation of its own
+        allowed = self.shardable(max(m, 2))
+        if allowed not in self._spaces:
+            self._spaces[allowed] = SynthSpace(self.theory, m, "node", set(allowed))
+        return self._spaces[allowed]
+
+    def layer_costs(self, group: str, size: int) -> LayerCosts:
+        """Synthesize the model on ``size`` devices of ``group`` (once) and split it by layer."""
+        key = (group, size)
+        if key in self._costs:
+            return self._costs[key]
+        model = CostModel(sub_cluster(self.cluster, group, size), memory_factor=self.memory_factor)
+        space = self._space(model.m)
+        ratios = model.even_ratios()
+        result = synthesize_program(space, model, ratios)
+        self.syntheses += 1
+        L = len(self.layers)
+        out = {k: np.zeros(L) for k in ("fwd", "bwd", "sync", "mem_param", "mem_act")}
+        th = self.theory.triples
+        memo: dict[tuple[int, ...], tuple[float, ...]] = {}
+        for seg, part in zip(space.segments, result.parts):
+            li = self._layer_of.get(seg.anchors[0])
+            if li is None:
+                raise HapcError(f"node {seg.anchors[0]} is in no layer; build layers from the same graph")
+            key_p = tuple(part)
+            if key_p not in memo:
+                costs = [th[k].cost for k in part]
+                f = b = s = 0.0
+                for st in model.breakdown(costs, ratios).stages:
+                    if st.direction == "forward":
+                        f += st.time
+                    elif st.direction == "backward":
+                        b += st.time
+                    else:
+                        s += st.comm
+                r = ratios[0]
+                mp = sum(c.param_bytes.at(r) for c in costs) * self.memory_factor
+                ma = sum(c.act_bytes.at(r) for c in costs)
+                memo[key_p] = (f, b, s, mp, ma)
+            f, b, s, mp, ma = memo[key_p]
+            out["fwd"][li] += f
+            out["bwd"][li] += b
+            out["sync"][li] += s
+            out["mem_param"][li] += mp
+            out["mem_act"][li] += ma
+        lc = LayerCosts(**out, program_time=result.cost)
+        self._costs[key] = lc
+        return lc
+
+    def stage(self, lo: int, hi: int, group: str, size: int) -> dict[str, float]:
+        """Time and memory of layers ``lo..hi-1`` on ``size`` devices of ``group``."""
+        lc = self.layer_costs(group, size)
+        return {k: float(getattr(lc, k)[lo:hi].sum()) for k in ("fwd", "bwd", "sync", "mem_param", "mem_act")}
