@@ -179,3 +179,78 @@ def test_planned_pipeline_over_groups_equals_single_device(alias, n):
     for rank, res in enumerate(results):
         assert_close(res["loss"], ref["losses"][0], torch.float64, f"rank {rank} loss")
         assert_close(res["grads"], ref["grads"], torch.float64, f"rank {rank} grads")
+
+
+def _ignored_job(rank, world, num_micro):
+    torch.set_num_threads(1)
+    model, (idx, targets) = _model("gpt", 8)
+    targets = _ignore_some(targets)
+    graph = trace(model, micro_batches((idx, targets), num_micro, 8)[0])
+    spec = PipelineSpec(
+        balanced_cuts(graph, [1, 1]), [[0, 1], [2]], [cluster_of([1e10, 5e9]), cluster_of([8e9])], [2, 1], 4
+    )
+    pm = PipelineModule(model, (idx, targets), spec)
+    return {"loss": pm.train_step(idx, targets).item(), "grads": pm.full_gradients()}
+
+
+def _ignore_some(targets):
+    out = targets.clone()
+    out[0, :] = -100  # micro-batch 0 (rows 0-1) counts half the targets of the others
+    out[5, 3:] = -100
+    return out
+
+
+def test_ignored_targets_weigh_micro_batches_by_their_counts():
+    """A mean cross-entropy with ignore_index: micro-batches count different numbers of targets,
+    so each weighs count_m / sum(count), not 1/M -- exactly the single-device batch loss."""
+    model, (idx, targets) = _model("gpt", 8)
+    loss = model(idx, _ignore_some(targets))
+    loss.backward()
+    want = {k: p.grad for k, p in model.named_parameters()}
+    for rank, res in enumerate(run_distributed(_ignored_job, 3, 4, timeout=240)):
+        assert_close(res["loss"], loss.item(), torch.float64, f"rank {rank} loss")
+        assert_close(res["grads"], want, torch.float64, f"rank {rank} grads")
+
+
+class _Regression(torch.nn.Module):
+    """Two layers and a loss the test picks: a sum (weight 1 per micro-batch) or a scaled mean (refused)."""
+
+    def __init__(self, loss: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.loss = torch.nn.Linear(6, 10), torch.nn.Linear(10, 3), loss
+
+    def forward(self, x, y):
+        err = (self.b(torch.relu(self.a(x))) - y) ** 2
+        return err.sum() if self.loss == "sum" else 2 * err.mean()
+
+
+def _regression_data():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 3, generator=g, dtype=torch.float64)
+
+
+def _sum_job(rank, world):
+    model, inputs = _Regression("sum").double(), _regression_data()
+    graph = trace(model, micro_batches(inputs, 4, 8)[0])
+    spec = PipelineSpec(balanced_cuts(graph, [1, 1]), [[0], [1]], [cluster_of([1e10])] * 2, [2, 1], 4)
+    pm = PipelineModule(model, inputs, spec)
+    return {"loss": pm.train_step(*inputs).item(), "grads": pm.full_gradients()}
+
+
+def test_a_sum_loss_weighs_micro_batches_by_one():
+    model, inputs = _Regression("sum").double(), _regression_data()
+    loss = model(*inputs)
+    loss.backward()
+    want = {k: p.grad for k, p in model.named_parameters()}
+    for res in run_distributed(_sum_job, 2):
+        assert_close(res["loss"], loss.item(), torch.float64, "loss")
+        assert_close(res["grads"], want, torch.float64, "grads")
+
+
+def test_a_loss_that_is_neither_mean_nor_sum_is_refused():
+    from hapc.pipeline.stages import loss_weighting
+
+    graph = trace(_Regression("scaled").double(), _regression_data())
+    with pytest.raises(HapcError, match="mean or a sum"):
+        loss_weighting(graph)

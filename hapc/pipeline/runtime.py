@@ -25,7 +25,9 @@ one method of :class:`_Step`:
 
 Sends never block and receives do, which the schedules are proven deadlock-free under; inside an
 action every rank issues its sends before it waits. The loss of micro-batch ``m`` is seeded with
-``1/M``: the batch loss is the mean of equal micro-batches' mean losses (see ``Limits`` in README).
+its weight in the batch loss (:func:`~hapc.pipeline.stages.loss_weighting`): ``1/M`` for a mean
+over equal micro-batches, ``count_m / sum(count)`` for a mean over a data-dependent count
+(cross-entropy with ignored targets, computed from the inputs), ``1`` for a sum.
 
 A slow link can be *emulated* (``emulate={"bandwidth": bytes_per_s, "latency": s, "between": [(0, 1)]}``,
 by default every link between neighbouring stages): each message across it carries the time it may
@@ -53,7 +55,7 @@ from ..plan import Plan
 from ..theory.graph import BUFFER, PARAM
 from . import reshard
 from .schedule import Action, schedule
-from .stages import ACT_PREFIX, StageGraph, split_graph
+from .stages import ACT_PREFIX, StageGraph, evaluate_data_only, loss_weighting, split_graph
 
 
 @dataclass
@@ -158,6 +160,9 @@ class PipelineModule(nn.Module):
         self.actions: list[Action] = schedule(spec.warmups, spec.num_micro)[self.stage]
         # how each cut's rows travel (HetAuto §5.2): slices held by senders, rows needed by receivers
         self.cut = [_Boundary(k, stages, theories, spec) for k in range(S - 1)]
+        # a mean loss `sum / count` with a data-dependent count (ignored targets): micro-batch m's
+        # loss weighs count_m / sum(count), so the batch loss is exactly the single-device one
+        self._weighting = loss_weighting(stages[-1].graph)  # every rank: a bad loss fails everywhere
         self.inbound = self.cut[self.stage - 1] if self.stage > 0 else None
         self.outbound = self.cut[self.stage] if self.stage < S - 1 else None
         self._link_free: dict[int, float] = {}  # per destination: when the emulated link is idle again
@@ -181,19 +186,36 @@ class PipelineModule(nn.Module):
         if len(inputs) != len(self.input_names):
             raise TypeError(f"train_step takes the model inputs {self.input_names}, got {len(inputs)} values")
         step = _Step(self, [dict(zip(self.input_names, b)) for b in micro_batches(inputs, self.num_micro, self.batch)])
+        step.weights = self._micro_weights(step.batches)
         for a in self.actions:
             getattr(step, a.kind)(a.micro)  # one method per action kind, as fx's Interpreter
         for works, *_ in step.sends:
             for work in works:
                 work.wait()
         self.compute_seconds = step.compute
-        return self._batch_loss(step.losses)
+        return self._batch_loss(step.losses, step.weights)
 
-    def _batch_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+    def _micro_weights(self, batches: list[dict[str, Any]]) -> list[float]:
+        """Each micro-batch's share of the batch loss: ``1/M``, or ``count_m / sum(count)`` for a
+        mean over a data-dependent count (only the last stage needs them)."""
+        kind, den = self._weighting
+        if kind != "count" or self.stage != self.num_stages - 1:
+            return [1.0 if kind == "sum" else 1.0 / self.num_micro] * self.num_micro
+        counts = [float(evaluate_data_only(self.sg.graph, den, b)) for b in batches]
+        empty = [m for m, c in enumerate(counts) if c <= 0]
+        if empty:  # its loss is 0/0 and so would be every gradient of it
+            raise HapcError(
+                f"micro-batch {empty[0]} has no counted target (all are ignore_index): its mean loss is undefined; "
+                "use fewer micro-batches or shuffle the batch so every micro-batch has a target"
+            )
+        total = sum(counts)
+        return [c / total for c in counts]
+
+    def _batch_loss(self, losses: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
         last = self.num_stages - 1
         value = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.stage == last:
-            value = torch.stack([loss.detach().to(torch.float64) for loss in losses]).mean()
+            value = sum(w * loss.detach().to(torch.float64) for w, loss in zip(weights, losses))
         dist.broadcast(value, src=self.relay[last])
         return value
 
@@ -263,6 +285,7 @@ class _Step:
         self.losses: list[torch.Tensor] = []
         self.compute = 0.0
         self.backwards = 0
+        self.weights: list[float] = []
         k = pm.stage
         self.prev = k - 1 if k > 0 else None
         self.next = k + 1 if k < pm.num_stages - 1 else None
@@ -330,9 +353,9 @@ class _Step:
         t0 = time.perf_counter()
         pm = self.pm
         out = self.outs.pop(m)
-        # the batch loss is the mean of the micro-batches' losses: seed each with 1/M
+        # the batch loss is the weighted sum of the micro-batches' losses: seed each with its weight
         if self.next is None:
-            seed = torch.tensor(1.0 / pm.num_micro, dtype=out.dtype, device=out.device)
+            seed = torch.tensor(self.weights[m], dtype=out.dtype, device=out.device)
         else:
             seed = self.grads.pop(m)
         self.backwards += 1

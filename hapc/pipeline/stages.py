@@ -108,7 +108,12 @@ ACT_PREFIX = "act__"
 def _depends_on_params(g: RefGraph) -> list[bool]:
     dep = [False] * len(g)
     for n in g:
-        dep[n.index] = n.kind == PARAM or (n.kind == OP and any(dep[o] for o in n.operands))
+        # an incoming activation of a stage graph (an input that requires grad) counts as a parameter
+        dep[n.index] = (
+            n.kind == PARAM
+            or (n.kind == INPUT and n.requires_grad)
+            or (n.kind == OP and any(dep[o] for o in n.operands))
+        )
     return dep
 
 
@@ -259,3 +264,60 @@ def balanced_cuts(g: RefGraph, weights: Sequence[float]) -> list[int]:
             break
     split_graph(g, cuts)  # raises with the reason if no valid placement was found
     return cuts
+
+
+def loss_weighting(g: RefGraph) -> tuple[str, int | None]:
+    """How the batch loss combines the micro-batches' losses: ``("count", node)`` for a mean
+    ``sum / count`` whose count depends on the data (``ignore_index``): weights ``count_m /
+    sum(count)``; ``("mean", None)``: ``1/M``; ``("sum", None)``: ``1``. Anything else is refused
+    (a silent wrong weighting would train another model)."""
+    loss = g.loss
+    dep = _depends_on_params(g)
+    if loss.kind == OP and loss.op in ("div", "truediv"):
+        ops = loss.operands
+        if len(ops) == 2 and g[ops[1]].kind == OP and not dep[ops[1]]:
+            return "count", ops[1]
+        if len(ops) == 1:  # divided by a constant: the micro-batch's numel or count
+            return "mean", None
+    if loss.kind == OP and loss.op == "mean":
+        return "mean", None
+    if loss.kind == OP and loss.op == "sum":
+        return "sum", None
+    reduction = loss.kwargs.get("reduction") if loss.kind == OP else None
+    if reduction in ("sum", "mean"):
+        return reduction, None
+    raise HapcError(
+        f"a pipelined loss must be a mean or a sum over the batch (micro-batch losses are combined by "
+        f"weights), but the model's loss is {loss.op!r} at {loss.source or loss.name}; end the forward in "
+        "`.mean()`, `.sum()` or a loss function with reduction='mean'/'sum'"
+    )
+
+
+def evaluate_data_only(g: RefGraph, index: int, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Value of data-only node ``index`` of ``g`` on concrete ``inputs`` (its ancestors only)."""
+    need, stack = set(), [index]
+    while stack:
+        i = stack.pop()
+        if i not in need:
+            need.add(i)
+            stack.extend(g[i].operands)
+    state = dict(g.module.named_buffers())
+    values: dict[int, object] = {}
+    for n in g:
+        if n.index not in need:
+            continue
+        if n.kind == INPUT:
+            values[n.index] = inputs[n.name]
+        elif n.kind in (PARAM, BUFFER):
+            values[n.index] = state[n.target] if n.target in state else _attr(g.module, n.target)
+        else:
+            a, k = map_refs((n.args, n.kwargs), lambda r: values[r.index])
+            values[n.index] = n.call(*a, **k)
+    return values[index]
+
+
+def _attr(module: torch.nn.Module, qualname: str) -> object:
+    obj: object = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
