@@ -35,8 +35,8 @@ def without_gc(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def broadcast_json(make: Callable[[], Any], *, group: Any = None, device: Any = "cpu") -> Any:
-    """``make()`` on the group's first rank, its JSON-able result on every rank.
+def broadcast_json(make: Callable[[], Any], *, group: Any = None, device: Any = "cpu", src: int | None = None) -> Any:
+    """``make()`` on the group's first rank (or global rank ``src``), its JSON-able result on every rank.
 
     Plans travel between ranks as UTF-8 JSON bytes in a uint8 tensor (two broadcasts: size, then
     bytes) -- data only, never pickle."""
@@ -45,8 +45,8 @@ def broadcast_json(make: Callable[[], Any], *, group: Any = None, device: Any = 
     import torch
     import torch.distributed as dist
 
-    root = 0 if group is None else dist.get_global_rank(group, 0)
-    first = dist.get_rank(group) == 0
+    root = src if src is not None else (0 if group is None else dist.get_global_rank(group, 0))
+    first = dist.get_rank() == root
     if first:
         data = torch.frombuffer(bytearray(json.dumps(make()).encode()), dtype=torch.uint8).to(device)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=device)

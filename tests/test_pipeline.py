@@ -254,3 +254,42 @@ def test_a_loss_that_is_neither_mean_nor_sum_is_refused():
     graph = trace(_Regression("scaled").double(), _regression_data())
     with pytest.raises(HapcError, match="mean or a sum"):
         loss_weighting(graph)
+
+
+def _checkpoint_job(rank, world):
+    torch.set_num_threads(1)
+    model, inputs = _model("bert", 8)
+    graph = trace(model, micro_batches(inputs, 4, 8)[0])
+    spec = dict(cuts=balanced_cuts(graph, [1, 1]), ranks=[[0, 1], [2]], warmups=[2, 1], num_micro=4)
+    clusters = [cluster_of([1e10, 4e9]), cluster_of([8e9])]
+    pm = PipelineModule(model, inputs, PipelineSpec(clusters=clusters, **spec))
+    opt = make_optimizer("adam", pm.parameters())
+    for _ in range(2):
+        opt.zero_grad()
+        pm.train_step(*inputs)
+        opt.step()
+    saved = pm.full_state_dict(opt)
+    # a fresh pipeline over other ranks per stage resumes from the single-device checkpoint
+    fresh, _ = _model("bert", 8)
+    clusters = [cluster_of([6e9]), cluster_of([1e10, 2e9])]
+    pm2 = PipelineModule(fresh, inputs, PipelineSpec(clusters=clusters, **{**spec, "ranks": [[0], [1, 2]]}))
+    opt2 = make_optimizer("adam", pm2.parameters())
+    pm2.load_full_state_dict(saved, opt2)
+    opt2.zero_grad()
+    pm2.train_step(*inputs)
+    opt2.step()
+    return {"saved": saved, "resumed": pm2.full_state_dict(opt2)}
+
+
+def test_pipeline_checkpoints_are_single_device_state_and_resume_on_another_layout():
+    model, inputs = _model("bert", 8)
+    opt = make_optimizer("adam", model.parameters())
+    states = []
+    for _ in range(3):
+        opt.zero_grad()
+        model(*inputs).backward()
+        opt.step()
+        states.append(hapc.checkpoint.full_state(model, opt))
+    for rank, res in enumerate(run_distributed(_checkpoint_job, 3, timeout=240)):
+        assert_close(res["saved"], states[1], torch.float64, f"rank {rank} checkpoint after 2 steps")
+        assert_close(res["resumed"], states[2], torch.float64, f"rank {rank} resumed third step")

@@ -254,9 +254,37 @@ class PipelineModule(nn.Module):
         call; every rank gets them): what single-device training of the batch holds in ``.grad``."""
         return self._from_relays(self.module.full_gradients())
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The single-device parameters and buffers of every stage (all ranks call; all get them)."""
-        return self._from_relays(self.module.full_state_dict())
+    def full_state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+        """The single-device ``state_dict`` of the whole model, gathered from every stage (all ranks
+        call; all get it); with the optimizer, ``{"model", "optimizer"}`` keyed by parameter name as
+        :func:`hapc.checkpoint.full_state` gives it, so a checkpoint moves to any plan or one device."""
+        local = self.module.full_state_dict(optimizer)
+        model = self._from_relays(local["model"] if optimizer is not None else local)
+        if optimizer is None:
+            return model
+        state: dict[str, dict[str, Any]] = {}
+        groups: list[dict[str, Any]] = []
+        for k, relay in enumerate(self.relay):
+            mine = local["optimizer"] if k == self.stage else None
+            # what stage k holds, as JSON (names, shapes, dtypes, plain values), then its tensors
+            meta = broadcast_json(lambda m=mine: _describe_optimizer(m), src=relay)
+            for name, entries in meta["state"].items():
+                out = state.setdefault(name, {})
+                for key, (kind, value) in entries.items():
+                    if kind == "value":
+                        out[key] = value
+                        continue
+                    shape, dtype = value
+                    t = mine["state"][name][key] if mine is not None else torch.empty(shape, dtype=_dtype(dtype))
+                    t = t.to(self.device).contiguous()
+                    dist.broadcast(t, src=relay)
+                    out[key] = t.cpu()
+            groups = groups or meta["param_groups"]
+        return {"model": model, "optimizer": {"state": state, "param_groups": groups}}
+
+    def load_full_state_dict(self, state: dict[str, Any], optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Load a single-device state (or ``{"model", "optimizer"}``): each stage slices its part."""
+        self.module.load_full_state_dict(state, optimizer)
 
     def _from_relays(self, mine: dict[str, Any]) -> dict[str, torch.Tensor]:
         # each stage's relay broadcasts its tensors, whose names and shapes every rank knows
@@ -429,6 +457,26 @@ def _output_layout(plan: Plan, ref: int) -> Any:
 
 def _source_layouts(plan: Plan, ref: int) -> list[Any]:
     return [i.layout for i in plan.instructions if type(i).__name__ == "Source" and i.ref == ref]
+
+
+def _describe_optimizer(opt_state: dict[str, Any] | None) -> dict[str, Any]:
+    """JSON of a gathered optimizer state: tensors by shape and dtype, everything else by value."""
+    if opt_state is None:
+        return {}
+    state = {
+        name: {
+            key: ["tensor", [list(v.shape), str(v.dtype).removeprefix("torch.")]]
+            if torch.is_tensor(v)
+            else ["value", v]
+            for key, v in entries.items()
+        }
+        for name, entries in opt_state["state"].items()
+    }
+    return {"state": state, "param_groups": opt_state["param_groups"]}
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
 
 
 def _theory_options(options: dict[str, Any]) -> dict[str, Any]:
