@@ -7,15 +7,17 @@ The public API. Everything not listed in ``__all__`` is internal.
     hapc.register_op(fn, "b s h, f h -> b s f")    # teach the theory a custom op
     plan   = hapc.synthesize(model, "hap-testbed:16", example_inputs)  # program + ratios
     module = hapc.compile(model, cluster, example_inputs)  # this rank's part, under torchrun
+    pm = hapc.pipeline.compile_pipeline(model, "harp-setting1", batch)  # HARP stages, H-1F1B
 """
 
 from __future__ import annotations
 
-from . import checkpoint, ops
+from . import checkpoint, ops, pipeline
 from .api import compile, synthesize
 from .cluster import Cluster
 from .errors import (
     ClusterError,
+    DistributedRunError,
     HapcError,
     InfeasibleError,
     PlanError,
@@ -61,6 +63,7 @@ __all__ = [
     "REPLICATED",
     "Cluster",
     "ClusterError",
+    "DistributedRunError",
     "HapcError",
     "InfeasibleError",
     "Layout",
@@ -90,6 +93,7 @@ __all__ = [
     "custom_op",
     "derive",
     "ops",
+    "pipeline",
     "register_op",
     "register_rule",
     "shard",
