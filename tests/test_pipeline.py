@@ -293,3 +293,19 @@ def test_pipeline_checkpoints_are_single_device_state_and_resume_on_another_layo
     for rank, res in enumerate(run_distributed(_checkpoint_job, 3, timeout=240)):
         assert_close(res["saved"], states[1], torch.float64, f"rank {rank} checkpoint after 2 steps")
         assert_close(res["resumed"], states[2], torch.float64, f"rank {rank} resumed third step")
+
+
+def _bn_job(rank, world):
+    model, inputs = models.load("cnn", dtype=torch.float64, batch_norm=True)
+    graph = trace(model, micro_batches(inputs, 2, inputs[0].shape[0])[0])
+    spec = PipelineSpec(balanced_cuts(graph, [1, 1]), [[0], [1]], [cluster_of([1e10])] * 2, [2, 1], 2)
+    try:
+        PipelineModule(model, inputs, spec)
+    except HapcError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_batch_norm_in_training_is_refused_in_a_pipeline():
+    for msg in run_distributed(_bn_job, 2):
+        assert "micro-batch by its own statistics" in msg

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -55,7 +55,10 @@ class CompiledModule(nn.Module):
         device: torch.device | str | None = None,
         seed: int = 0,
         init: Init | None = None,
+        elsewhere: Collection[str] = (),
     ):
+        """``elsewhere``: ``state_dict`` names another module owns (the other stages of a pipeline):
+        not kept here and left out of :meth:`full_state_dict`."""
         super().__init__()
         self.group = group
         self.rank = dist.get_rank(group)
@@ -72,7 +75,9 @@ class CompiledModule(nn.Module):
         root.device = self.device  # type: ignore[assignment]
         self._layouts: dict[str, tuple[int, Layout]] = {}
         full = _full_state(model)
-        self._state_keys = list(model.state_dict().keys())  # what full_state_dict returns, in order
+        elsewhere = set(elsewhere)
+        # what full_state_dict returns, in order
+        self._state_keys = [k for k in model.state_dict() if k not in elsewhere]
         # the traced program baked in the model's train/eval mode; batch norm's counter is module
         # state outside the graph, advanced here as the module would
         self._traced_mode = model.training
@@ -96,7 +101,9 @@ class CompiledModule(nn.Module):
         self.program = rp.module(root)
         self.grad_complete = rp.grad_complete
         targets = self._targets()
-        self._unused = {k: values(k, v).cpu().clone() for k, v in full.items() if k not in targets}
+        self._unused = {
+            k: values(k, v).cpu().clone() for k, v in full.items() if k not in targets and k not in elsewhere
+        }
         self._setup_grad_sync()
 
     # -- running ------------------------------------------------------------------------------------

@@ -134,6 +134,13 @@ class PipelineModule(nn.Module):
 
         if not dist.is_initialized():
             raise HapcError("a pipeline runs inside a distributed job: start it with torchrun")
+        norms = [q for q, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+        if norms:
+            raise HapcError(
+                f"batch norm {norms[0]!r} in training mode would normalise each micro-batch by its own statistics, "
+                "not the batch's as single-device training does; pipeline a model with layer/group norm, or "
+                "batch norm in eval mode, or compile it without a pipeline (pipeline=False)"
+            )
         world, rank = dist.get_world_size(), dist.get_rank()
         spec.check(world)
         self.spec, self.num_micro, self.emulate = spec, spec.num_micro, emulate
@@ -143,6 +150,8 @@ class PipelineModule(nn.Module):
         graph = trace(model, micro)
         self.input_names = list(graph.input_names)
         stages = split_graph(graph, spec.cuts)
+        # how the micro-batches' losses make the batch loss; checked on every rank before any work
+        self._weighting = loss_weighting(stages[-1].graph)
         # every rank creates every stage's group, in the same order (torch.distributed requires it)
         groups = [dist.new_group(rs) for rs in spec.ranks]
         self.stage = next(k for k, rs in enumerate(spec.ranks) if rank in rs)
@@ -155,14 +164,17 @@ class PipelineModule(nn.Module):
         if not spec.plans:
             spec.plans = _agree_on_plans(theories, spec.clusters, options)
         plan = spec.plans[self.stage]
-        self.module = CompiledModule(model, theories[self.stage], plan, group=self.group, device=device, seed=seed)
+        keys = set(model.state_dict())
+        owned = [{n.target for n in s.graph if n.kind in (PARAM, BUFFER) and n.target in keys} for s in stages]
+        # other stages' tensors are neither materialised nor kept here: a stage holds only its own
+        elsewhere = set().union(*owned) - owned[self.stage]
+        self.module = CompiledModule(
+            model, theories[self.stage], plan, group=self.group, device=device, seed=seed, elsewhere=elsewhere
+        )
         self.device = self.module.device
         self.actions: list[Action] = schedule(spec.warmups, spec.num_micro)[self.stage]
         # how each cut's rows travel (HetAuto §5.2): slices held by senders, rows needed by receivers
         self.cut = [_Boundary(k, stages, theories, spec) for k in range(S - 1)]
-        # a mean loss `sum / count` with a data-dependent count (ignored targets): micro-batch m's
-        # loss weighs count_m / sum(count), so the batch loss is exactly the single-device one
-        self._weighting = loss_weighting(stages[-1].graph)  # every rank: a bad loss fails everywhere
         self.inbound = self.cut[self.stage - 1] if self.stage > 0 else None
         self.outbound = self.cut[self.stage] if self.stage < S - 1 else None
         self._link_free: dict[int, float] = {}  # per destination: when the emulated link is idle again
@@ -170,7 +182,6 @@ class PipelineModule(nn.Module):
         # emulated links, as (stage, stage + 1) pairs; all of them unless ``emulate["between"]`` says
         self._slow_links = {tuple(p) for p in (emulate or {}).get("between", zip(range(S), range(1, S)))}
         # state_dict names (and shapes) of the parameters and buffers each stage holds
-        keys = set(model.state_dict())
         self.stage_tensors = [
             {n.target: n.meta for n in s.graph if n.kind in (PARAM, BUFFER) and n.target in keys} for s in stages
         ]
@@ -297,6 +308,8 @@ class PipelineModule(nn.Module):
                 t = t.to(self.device).contiguous()  # NCCL broadcasts device tensors
                 dist.broadcast(t, src=self.relay[k])
                 out[name] = t.cpu()
+        for name, t in mine.items():  # no stage's (an unused buffer): every rank holds the same
+            out.setdefault(name, t)
         return out
 
 
