@@ -309,3 +309,37 @@ def _bn_job(rank, world):
 def test_batch_norm_in_training_is_refused_in_a_pipeline():
     for msg in run_distributed(_bn_job, 2):
         assert "micro-batch by its own statistics" in msg
+
+
+def _stage_dies(rank, world):
+    import os
+    import signal
+
+    from hapc.pipeline import runtime
+
+    model, inputs = _model("gpt", 8)
+    graph = trace(model, micro_batches(inputs, 4, 8)[0])
+    spec = PipelineSpec(balanced_cuts(graph, [1, 1, 1]), [[0], [1], [2]], [cluster_of([1e10])] * 3, [3, 2, 1], 4)
+    pm = PipelineModule(model, inputs, spec)
+    forward = runtime._Step.F
+
+    def dying(step, m):  # the middle stage dies after its second forward, mid-step
+        forward(step, m)
+        if rank == 1 and m == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    runtime._Step.F = dying
+    return pm.train_step(*inputs).item()
+
+
+def test_a_stage_that_dies_stops_the_pipeline():
+    """Its neighbours wait on messages it will never send: they fail by themselves (the peer closed
+    the connection), nobody hangs."""
+    from hapc.errors import DistributedRunError
+
+    with pytest.raises(DistributedRunError) as err:
+        run_distributed(_stage_dies, 3, timeout=20)
+    e = err.value
+    assert e.died == {1: -9} and e.hung == []
+    assert set(e.errors) == {0, 2}
+    assert all("closed" in msg.lower() or "timed out" in msg.lower() for msg in e.errors.values()), e.errors
