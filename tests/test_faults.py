@@ -32,7 +32,14 @@ from hapc.testing import cluster_of, run_distributed
 
 F64 = torch.float64
 CLUSTER3 = cluster_of([3e9, 2e9, 1e9])
-LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Timed out", "timed out")
+LOST_PEER = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Read error",
+    "remote worker crashing",
+    "Timed out",
+    "timed out",
+)
 
 
 @pytest.fixture(scope="module")
