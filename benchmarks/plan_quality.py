@@ -27,15 +27,14 @@ Efficiency = (model flops / cluster peak flops) / predicted time (``Plan.efficie
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _cli
 import torch
 from rich.console import Console
 
@@ -344,14 +343,10 @@ def plot(result: dict[str, Any], outdir: Path) -> list[Path]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="tiny models, 8 GPUs only (the smoke run)")
-    ap.add_argument("--json", help="write results here (default: plan_quality.json beside this script)")
-    args = ap.parse_args()
+    args = _cli.parse("tiny models, 8 GPUs only (the smoke run)")
     result = run(args.quick)
     Console(width=160).print(markdown(result))
-    out = Path(args.json) if args.json else HERE / "plan_quality.json"
-    out.write_text(json.dumps(result, indent=1))
+    _cli.save("plan_quality", result, args)
 
 
 if __name__ == "__main__":

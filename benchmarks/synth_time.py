@@ -12,12 +12,11 @@ trace of a process pays PyTorch's one-time warm-up, reported separately).
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
 
+import _cli
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -130,10 +129,7 @@ def plot(result: dict[str, Any], outdir: Path) -> list[Path]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="small sizes only (the CI smoke run)")
-    ap.add_argument("--json", help="write results here (default: synth_time.json beside this script)")
-    args = ap.parse_args()
+    args = _cli.parse("small sizes only (the CI smoke run)")
     result = run(args.quick)
     table = Table(title=f"synthesis time on {result['cluster']} (seconds, best of 2)")
     for col in ("model", "nodes", "params (M)", "trace", "derive", "search", "LP", "synthesis", "total", "rounds"):
@@ -154,8 +150,7 @@ def main() -> None:
     console = Console(width=140)
     console.print(table)
     console.print(markdown(result))
-    out = Path(args.json) if args.json else HERE / "synth_time.json"
-    out.write_text(json.dumps(result, indent=1))
+    _cli.save("synth_time", result, args)
 
 
 if __name__ == "__main__":

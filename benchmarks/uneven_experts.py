@@ -21,12 +21,11 @@ runtime rounds them to whole experts (``round_shares``), whose split is printed 
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
 
+import _cli
 import torch
 from plan_quality import Pricer, padded_ep
 from rich.console import Console
@@ -34,41 +33,20 @@ from rich.console import Console
 import models
 from hapc.balance.rounding import round_shares
 from hapc.cluster import Cluster
+from hapc.presets import LINKS as PRESET_LINKS
+from hapc.presets import group
 
 HERE = Path(__file__).resolve().parent
 
 
-#: HAP §7.6: 2 A100 + 2 P100 on two hosts (fp32 sustained rates as in hapc/presets.py: about the
-#: datasheet's 19.5 / 10.6 TFLOP/s fp32 peaks less the usual GEMM shortfall).
+#: HAP §7.6: 2 A100 + 2 P100 on two hosts, fp32 (the A100's sustained fp32 rate: about the
+#: datasheet's 19.5 TFLOP/s peak less the usual GEMM shortfall; the P100 as in hapc/presets.py).
 def fig17(inter_host: str = "10.4 Gbps") -> dict[str, Any]:
-    return {**FIG17, "links": {**FIG17["links"], "inter_host": {"bandwidth": inter_host, "latency": "50 us"}}}
-
-
-FIG17 = {
-    "name": "hap-fig17",
-    "group": [
-        {
-            "name": "a100",
-            "devices": 2,
-            "devices_per_host": 2,
-            "flops": 17e12,
-            "memory": "40 GB",
-            "mem_bandwidth": "1.5 TB/s",
-        },
-        {
-            "name": "p100",
-            "devices": 2,
-            "devices_per_host": 2,
-            "flops": 9e12,
-            "memory": "16 GB",
-            "mem_bandwidth": "732 GB/s",
-        },
-    ],
-    "links": {
-        "intra_host": {"bandwidth": "10 GB/s", "latency": "10 us"},
-        "inter_host": {"bandwidth": "10.4 Gbps", "latency": "50 us"},
-    },
-}
+    return {
+        "name": "hap-fig17",
+        "group": [group("a100", 2, 2, flops=17e12), group("p100", 2, 2)],
+        "links": {"intra_host": PRESET_LINKS["pcie"], "inter_host": {"bandwidth": inter_host, "latency": "50 us"}},
+    }
 
 
 LINKS = ("10.4 Gbps", "100 Gbps")
@@ -178,14 +156,10 @@ def _plot_one(ax: Any, result: dict[str, Any], link: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="tiny BERT-MoE, 4-5 experts (the smoke run)")
-    ap.add_argument("--json", help="write results here (default: uneven_experts.json beside this script)")
-    args = ap.parse_args()
+    args = _cli.parse("tiny BERT-MoE, 4-5 experts (the smoke run)")
     result = run(args.quick)
     Console(width=160).print(markdown(result))
-    out = Path(args.json) if args.json else HERE / "uneven_experts.json"
-    out.write_text(json.dumps(result, indent=1))
+    _cli.save("uneven_experts", result, args)
 
 
 if __name__ == "__main__":

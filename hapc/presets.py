@@ -14,6 +14,41 @@ from typing import Any
 
 from .errors import ClusterError
 
+#: device kind -> (sustained flop/s, memory, memory bandwidth); sources in the presets below
+DEVICES: dict[str, tuple[float, str, str]] = {
+    "v100-fp32": (14e12, "16 GB", "900 GB/s"),  # HAP testbed, fp32: 15.7 peak
+    "p100": (9e12, "16 GB", "732 GB/s"),  # fp32: 9.3-10.6 peak
+    "v100": (62e12, "16 GB", "900 GB/s"),  # fp16 tensor cores: 125 peak
+    "v100e": (62e12, "32 GB", "900 GB/s"),  # HARP's V100e: a 32 GB V100
+    "a100": (156e12, "40 GB", "1.5 TB/s"),  # fp16: 312 peak
+    "t4": (32e12, "16 GB", "320 GB/s"),  # fp16: 65 peak
+}
+
+#: ``(bandwidth, latency)`` of link kinds the presets share
+LINKS = {
+    "pcie": {"bandwidth": "10 GB/s", "latency": "10 us"},
+    "10.4g": {"bandwidth": "10.4 Gbps", "latency": "50 us"},
+    "ib200": {"bandwidth": "200 Gbps", "latency": "10 us"},
+}
+
+
+def group(name: str, devices: int, per_host: int, kind: str | None = None, **extra: Any) -> dict[str, Any]:
+    """One ``[[group]]`` of ``devices`` devices of ``kind`` (default: ``name``), ``per_host`` per host."""
+    flops, memory, bandwidth = DEVICES[kind or name]
+    return {
+        "name": name,
+        "devices": devices,
+        "devices_per_host": per_host,
+        "flops": flops,
+        "memory": memory,
+        "mem_bandwidth": bandwidth,
+        **extra,
+    }
+
+
+def _between(*pairs: tuple[str, str], bandwidth: str) -> list[dict[str, Any]]:
+    return [{"groups": list(p), "bandwidth": bandwidth, "latency": "100 us"} for p in pairs]
+
 
 def _hap_testbed(arg: str | None) -> dict[str, Any]:
     # HAP §7.1: 2 hosts x 8 V100 (NVLink) + 6 hosts x 8 P100, ~10.4 Gbps between hosts (iperf3).
@@ -21,36 +56,12 @@ def _hap_testbed(arg: str | None) -> dict[str, Any]:
     # NVLink V100 hosts ~130 GB/s, PCIe P100 hosts ~10 GB/s (the slower one bounds a ring).
     # "hap-testbed:16" keeps the first N GPUs (V100 first, as in HAP's 8/16/32/64 experiments).
     n = int(arg) if arg else 64
-    v100 = min(n, 16)
-    p100 = n - v100
-    groups = [
-        {
-            "name": "v100",
-            "devices": v100,
-            "devices_per_host": 8,
-            "flops": 14e12,
-            "memory": "16 GB",
-            "mem_bandwidth": "900 GB/s",
-        }
-    ]
-    if p100:
-        groups.append(
-            {
-                "name": "p100",
-                "devices": p100,
-                "devices_per_host": 8,
-                "flops": 9e12,
-                "memory": "16 GB",
-                "mem_bandwidth": "732 GB/s",
-            }
-        )
+    v100, p100 = min(n, 16), n - min(n, 16)
+    groups = [group("v100", v100, 8, "v100-fp32")] + ([group("p100", p100, 8)] if p100 else [])
     return {
         "name": f"hap-testbed-{n}",
         "group": groups,
-        "links": {
-            "intra_host": {"bandwidth": "10 GB/s", "latency": "10 us"},
-            "inter_host": {"bandwidth": "10.4 Gbps", "latency": "50 us"},
-        },
+        "links": {"intra_host": LINKS["pcie"], "inter_host": LINKS["10.4g"]},
     }
 
 
@@ -58,20 +69,8 @@ def _hap_homogeneous(arg: str | None) -> dict[str, Any]:
     # HAP §7.3: the homogeneous subset, 4 hosts x 8 P100.
     return {
         "name": "hap-p100-32",
-        "group": [
-            {
-                "name": "p100",
-                "devices": 32,
-                "devices_per_host": 8,
-                "flops": 9e12,
-                "memory": "16 GB",
-                "mem_bandwidth": "732 GB/s",
-            }
-        ],
-        "links": {
-            "intra_host": {"bandwidth": "10 GB/s", "latency": "10 us"},
-            "inter_host": {"bandwidth": "10.4 Gbps", "latency": "50 us"},
-        },
+        "group": [group("p100", 32, 8)],
+        "links": {"intra_host": LINKS["pcie"], "inter_host": LINKS["10.4g"]},
     }
 
 
@@ -82,28 +81,13 @@ def _harp1(arg: str | None) -> dict[str, Any]:
     return {
         "name": "harp-setting1",
         "group": [
-            {
-                "name": "a100",
-                "devices": 32,
-                "devices_per_host": 8,
-                "flops": 156e12,
-                "memory": "40 GB",
-                "mem_bandwidth": "1.5 TB/s",
-                "intra_host": {"bandwidth": "300 GB/s", "latency": "5 us"},
-            },
-            {
-                "name": "v100e",
-                "devices": 32,
-                "devices_per_host": 8,
-                "flops": 62e12,
-                "memory": "32 GB",
-                "mem_bandwidth": "900 GB/s",
-            },
+            group("a100", 32, 8, intra_host={"bandwidth": "300 GB/s", "latency": "5 us"}),
+            group("v100e", 32, 8),
         ],
         "links": {
             "intra_host": {"bandwidth": "150 GB/s", "latency": "5 us"},  # the V100e hosts'; A100 hosts: 300 GB/s
-            "inter_host": {"bandwidth": "200 Gbps", "latency": "10 us"},
-            "between": [{"groups": ["a100", "v100e"], "bandwidth": "5 Gbps", "latency": "100 us"}],
+            "inter_host": LINKS["ib200"],
+            "between": _between(("a100", "v100e"), bandwidth="5 Gbps"),
         },
     }
 
@@ -113,28 +97,11 @@ def _harp2(arg: str | None) -> dict[str, Any]:
     # RDMA inside a sub-cluster, 10 Gbps Ethernet across.
     return {
         "name": "harp-setting2",
-        "group": [
-            {
-                "name": "v100",
-                "devices": 8,
-                "devices_per_host": 8,
-                "flops": 62e12,
-                "memory": "16 GB",
-                "mem_bandwidth": "900 GB/s",
-            },
-            {
-                "name": "a100",
-                "devices": 4,
-                "devices_per_host": 2,
-                "flops": 156e12,
-                "memory": "40 GB",
-                "mem_bandwidth": "1.5 TB/s",
-            },
-        ],
+        "group": [group("v100", 8, 8), group("a100", 4, 2)],
         "links": {
             "intra_host": {"bandwidth": "32 GB/s", "latency": "5 us"},
-            "inter_host": {"bandwidth": "200 Gbps", "latency": "10 us"},
-            "between": [{"groups": ["v100", "a100"], "bandwidth": "10 Gbps", "latency": "100 us"}],
+            "inter_host": LINKS["ib200"],
+            "between": _between(("v100", "a100"), bandwidth="10 Gbps"),
         },
     }
 
@@ -144,39 +111,11 @@ def _harp3(arg: str | None) -> dict[str, Any]:
     # PCIe); V100 <-> V100e over 200 Gbps IB, A100 over 5 Gbps (HARP §6.4).
     return {
         "name": "harp-setting3",
-        "group": [
-            {
-                "name": "v100",
-                "devices": 8,
-                "devices_per_host": 8,
-                "flops": 62e12,
-                "memory": "16 GB",
-                "mem_bandwidth": "900 GB/s",
-            },
-            {
-                "name": "v100e",
-                "devices": 2,
-                "devices_per_host": 2,
-                "flops": 62e12,
-                "memory": "32 GB",
-                "mem_bandwidth": "900 GB/s",
-            },
-            {
-                "name": "a100",
-                "devices": 2,
-                "devices_per_host": 2,
-                "flops": 156e12,
-                "memory": "40 GB",
-                "mem_bandwidth": "1.5 TB/s",
-            },
-        ],
+        "group": [group("v100", 8, 8), group("v100e", 2, 2), group("a100", 2, 2)],
         "links": {
             "intra_host": {"bandwidth": "32 GB/s", "latency": "5 us"},
-            "inter_host": {"bandwidth": "200 Gbps", "latency": "10 us"},
-            "between": [
-                {"groups": ["v100", "a100"], "bandwidth": "5 Gbps", "latency": "100 us"},
-                {"groups": ["v100e", "a100"], "bandwidth": "5 Gbps", "latency": "100 us"},
-            ],
+            "inter_host": LINKS["ib200"],
+            "between": _between(("v100", "a100"), ("v100e", "a100"), bandwidth="5 Gbps"),
         },
     }
 
@@ -186,24 +125,7 @@ def _metis(arg: str | None) -> dict[str, Any]:
     # fp16 sustained: T4 ~32 TFLOP/s (65 peak), V100 ~62 (125 peak). GCP VM network assumed 32 Gbps.
     return {
         "name": "metis-t4v100",
-        "group": [
-            {
-                "name": "v100",
-                "devices": 8,
-                "devices_per_host": 4,
-                "flops": 62e12,
-                "memory": "16 GB",
-                "mem_bandwidth": "900 GB/s",
-            },
-            {
-                "name": "t4",
-                "devices": 8,
-                "devices_per_host": 4,
-                "flops": 32e12,
-                "memory": "16 GB",
-                "mem_bandwidth": "320 GB/s",
-            },
-        ],
+        "group": [group("v100", 8, 4), group("t4", 8, 4)],
         "links": {
             "intra_host": {"bandwidth": "16 GB/s", "latency": "5 us"},
             "inter_host": {"bandwidth": "32 Gbps", "latency": "30 us"},

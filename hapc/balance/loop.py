@@ -75,11 +75,8 @@ def balance(
     while attempts < max(1, rounds):
         attempts += 1
         t0 = time.perf_counter()
-        model.memory_price = price
-        res = synthesize_program(space, model, ratios, progress)
-        model.memory_price = 0.0
+        res, costs = _synthesize_at(space, model, ratios, price, progress)
         t1 = time.perf_counter()
-        costs = [[th.triples[k].cost for k in part] for part in res.parts]
         last_costs = costs
         search_cost = program_cost(th, model, res.parts, ratios)
         if fixed:
@@ -122,6 +119,16 @@ def balance(
     return best
 
 
+def _synthesize_at(space: SynthSpace, model: CostModel, ratios: Vec, price: float, progress) -> tuple:
+    """The best program for ``ratios`` with memory priced at ``price``, and its triples' costs."""
+    model.memory_price = price
+    try:
+        res = synthesize_program(space, model, ratios, progress)
+    finally:
+        model.memory_price = 0.0
+    return res, [[space.theory.triples[k].cost for k in part] for part in res.parts]
+
+
 def _refine_price(space, model, ratios, price, memory, solver, progress, steps: int = 4):
     """Bisect (geometrically) the memory price between ``price / 10`` (too cheap: nothing fitted)
     and ``price`` (fits): the best fitting ``(program, ratios, cost, price)`` seen, or ``None``."""
@@ -129,10 +136,7 @@ def _refine_price(space, model, ratios, price, memory, solver, progress, steps: 
     lo, hi, best = price / 10, price, None
     for _ in range(steps):
         mid = (lo * hi) ** 0.5
-        model.memory_price = mid
-        res = synthesize_program(space, model, ratios, progress)
-        model.memory_price = 0.0
-        costs = [[th.triples[k].cost for k in part] for part in res.parts]
+        res, costs = _synthesize_at(space, model, ratios, mid, progress)
         try:
             lp = solve_ratios(model, costs, memory=memory, solver=solver)
         except InfeasibleError:

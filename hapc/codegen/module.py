@@ -65,7 +65,9 @@ class CompiledModule(nn.Module):
         self.world = dist.get_world_size(group)
         plan.check(world_size=self.world, where="the plan")
         self.plan, self.theory = plan, theory
-        self._forward_sig = _signature(model)
+        self._input_names = [n.name for n in theory.graph.inputs]  # the program's placeholders, in order
+        # positional arguments bind by the model's signature: the graph omits unused inputs
+        self._positional = _positional_names(_signature(model), theory.graph.input_names)
         self._free_dims = _sharded_input_dims(plan)
         self.device = torch.device(device) if device is not None else _default_device(group)
         rp = RankProgram(theory, plan, self.rank)
@@ -108,9 +110,8 @@ class CompiledModule(nn.Module):
 
     # -- running ------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        names = [n.name for n in self.theory.graph.inputs]
-        # positional arguments bind by the model's signature: the graph omits unused inputs
-        bound = dict(zip(_positional_names(self._forward_sig, self.theory.graph.input_names), args))
+        names = self._input_names
+        bound = dict(zip(self._positional, args))
         bound.update(kwargs)
         missing = [n for n in names if n not in bound]
         if missing:

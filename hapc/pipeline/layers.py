@@ -207,7 +207,7 @@ def evaluate_by_layers(graph: RefGraph, layers: Sequence[Layer], inputs: Mapping
     """Run ``graph`` layer by layer, carrying across each cut only the model inputs and the
     previous layer's :attr:`Layer.live_out` (what a pipeline sends); returns the loss. A wrong
     liveness raises ``KeyError`` naming the missing tensor."""
-    from ..theory.graph import _with_device
+    from ..theory.graph import _getattr, _with_device
 
     state = dict(graph.module.named_parameters())
     state.update(graph.module.named_buffers())
@@ -240,10 +240,3 @@ def _lookup(values: dict, static: dict, graph: RefGraph, layer: int, r: Any) -> 
     if r.index in static:
         return static[r.index]
     raise KeyError(f"layer {layer}: tensor %{r.index} ({graph[r.index].name}) is not live here")
-
-
-def _getattr(module: Any, qualname: str) -> Any:
-    obj = module
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj

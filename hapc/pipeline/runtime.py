@@ -55,7 +55,7 @@ from ..plan import Plan
 from ..theory.graph import BUFFER, PARAM
 from . import reshard
 from .schedule import Action, schedule
-from .stages import ACT_PREFIX, StageGraph, evaluate_data_only, loss_weighting, split_graph
+from .stages import ACT_PREFIX, StageGraph, loss_weighting, split_graph
 
 
 @dataclass
@@ -154,7 +154,8 @@ class PipelineModule(nn.Module):
         self._weighting = loss_weighting(stages[-1].graph)
         # every rank creates every stage's group, in the same order (torch.distributed requires it)
         groups = [dist.new_group(rs) for rs in spec.ranks]
-        self.stage = next(k for k, rs in enumerate(spec.ranks) if rank in rs)
+        self._stage_of = {r: k for k, rs in enumerate(spec.ranks) for r in rs}
+        self.stage = self._stage_of[rank]
         self.sg: StageGraph = stages[self.stage]
         self.group = groups[self.stage]
         self.num_stages = len(stages)
@@ -212,7 +213,7 @@ class PipelineModule(nn.Module):
         kind, den = self._weighting
         if kind != "count" or self.stage != self.num_stages - 1:
             return [1.0 if kind == "sum" else 1.0 / self.num_micro] * self.num_micro
-        counts = [float(evaluate_data_only(self.sg.graph, den, b)) for b in batches]
+        counts = [float(self.sg.graph.evaluate(b, upto=den)[den]) for b in batches]
         empty = [m for m, c in enumerate(counts) if c <= 0]
         if empty:  # its loss is 0/0 and so would be every gradient of it
             raise HapcError(
@@ -252,7 +253,7 @@ class PipelineModule(nn.Module):
 
     def _arrival(self, dst: int, nbytes: int) -> float:
         now = time.monotonic()
-        peer = next(k for k, rs in enumerate(self.spec.ranks) if dst in rs)
+        peer = self._stage_of[dst]
         if not self.emulate or (min(peer, self.stage), max(peer, self.stage)) not in self._slow_links:
             return now
         start = max(now, self._link_free.get(dst, 0.0))  # one transfer at a time per direction

@@ -291,33 +291,3 @@ def loss_weighting(g: RefGraph) -> tuple[str, int | None]:
         f"weights), but the model's loss is {loss.op!r} at {loss.source or loss.name}; end the forward in "
         "`.mean()`, `.sum()` or a loss function with reduction='mean'/'sum'"
     )
-
-
-def evaluate_data_only(g: RefGraph, index: int, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Value of data-only node ``index`` of ``g`` on concrete ``inputs`` (its ancestors only)."""
-    need, stack = set(), [index]
-    while stack:
-        i = stack.pop()
-        if i not in need:
-            need.add(i)
-            stack.extend(g[i].operands)
-    state = dict(g.module.named_buffers())
-    values: dict[int, object] = {}
-    for n in g:
-        if n.index not in need:
-            continue
-        if n.kind == INPUT:
-            values[n.index] = inputs[n.name]
-        elif n.kind in (PARAM, BUFFER):
-            values[n.index] = state[n.target] if n.target in state else _attr(g.module, n.target)
-        else:
-            a, k = map_refs((n.args, n.kwargs), lambda r: values[r.index])
-            values[n.index] = n.call(*a, **k)
-    return values[index]
-
-
-def _attr(module: torch.nn.Module, qualname: str) -> object:
-    obj: object = module
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj

@@ -45,6 +45,8 @@ def exhaustive_min_cost(
             if additive:
                 dfs(props | t.post, tokens | t.tokens, closed + single, fo, bo)
                 continue
+            # the stage accumulation of the cost model, restated here on purpose: the oracle the A*
+            # tests compare against shares no code with the search (whose copy is its hot loop)
             c, f, b = closed + tt.grad, fo, bo
             if tt.has_fwd_comm:
                 c += max(f) + tt.fwd_comm

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ..errors import InfeasibleError
 from ..theory.graph import OP
@@ -94,20 +95,20 @@ class _Bits:
         return b
 
     def props(self, mask: int) -> list[Prop]:
-        out = []
-        while mask:
-            low = mask & -mask
-            out.append(self.prop_of[low])
-            mask ^= low
-        return out
+        return _decode(mask, self.prop_of)
 
     def toks(self, mask: int) -> list[tuple]:
-        out = []
-        while mask:
-            low = mask & -mask
-            out.append(self.tok_of[low])
-            mask ^= low
-        return out
+        return _decode(mask, self.tok_of)
+
+
+def _decode(mask: int, table: dict[int, Any]) -> list[Any]:
+    """The entries of ``table`` (keyed by single bits) whose bits are set in ``mask``, lowest first."""
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(table[low])
+        mask ^= low
+    return out
 
 
 @dataclass

@@ -206,25 +206,41 @@ class RefGraph:
         """Evaluate the graph on concrete tensors (single device): the reference semantics."""
         return self.evaluate(inputs, **tensors)[-1]
 
-    def evaluate(self, inputs: dict[str, torch.Tensor] | None = None, **tensors: torch.Tensor) -> list[Any]:
-        """Every node's value on concrete inputs, with the module's own parameters and buffers."""
-        values: list[Any] = []
+    def evaluate(
+        self, inputs: dict[str, torch.Tensor] | None = None, *, upto: int | None = None, **tensors: torch.Tensor
+    ) -> list[Any]:
+        """Every node's value on concrete inputs, with the module's own parameters and buffers.
+        With ``upto``, only that node and what it depends on are computed (the rest are ``None``)."""
         given = dict(inputs or {}, **tensors)
+        values: list[Any] = [None] * len(self.nodes)
+        need = self.ancestors(upto) if upto is not None else None
         state = dict(self.module.named_parameters())
         state.update(self.module.named_buffers())
         device = next((v.device for v in given.values() if isinstance(v, torch.Tensor)), None)
         for n in self.nodes:
+            if need is not None and n.index not in need:
+                continue
             if n.kind == INPUT:
                 if n.name not in given:
                     raise KeyError(f"no value for model input {n.name!r}")
-                values.append(given[n.name])
+                values[n.index] = given[n.name]
             elif n.kind in (PARAM, BUFFER):
-                values.append(state[n.target] if n.target in state else _getattr(self.module, n.target))
+                values[n.index] = state[n.target] if n.target in state else _getattr(self.module, n.target)
             else:
                 a, k = map_refs((n.args, n.kwargs), lambda r: values[r.index])
                 a, k = _with_device((a, k), device)
-                values.append(n.call(*a, **k))
+                values[n.index] = n.call(*a, **k)
         return values
+
+    def ancestors(self, index: int) -> set[int]:
+        """``index`` and every node it depends on."""
+        need, stack = set(), [index]
+        while stack:
+            i = stack.pop()
+            if i not in need:
+                need.add(i)
+                stack.extend(self.nodes[i].operands)
+        return need
 
     def summary(self) -> dict[str, Any]:
         kinds: dict[str, int] = {}
