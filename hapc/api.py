@@ -208,6 +208,7 @@ def compile(
     pipeline: bool | None = None,
     num_micro: int = 8,
     schedule: str = "h1f1b",
+    loss_sync: str = "lazy",
     **options: Any,
 ) -> Any:
     """This rank's part of ``model`` under ``plan`` (synthesized here when not given).
@@ -215,8 +216,9 @@ def compile(
     Call under an initialised process group (e.g. ``torchrun``); every rank calls it with the
     same model (same initial weights) and example inputs. Without ``plan``, rank 0 synthesizes
     and sends the plan to the others as JSON. The returned module takes the model's inputs -- the
-    global batch, or this rank's share of it -- and returns the loss (its full value on every
-    rank); use it with any ``torch.optim`` optimizer.
+    global batch, or this rank's share of it (the kind is settled on the first call; given the
+    whole batch, token counts of a mean loss are computed locally instead of all-reduced) -- and
+    returns the loss (its full value on every rank); use it with any ``torch.optim`` optimizer.
 
     Args:
         plan: a :class:`Plan` or the path of a saved one; checked against the model, the
@@ -237,6 +239,12 @@ def compile(
             :class:`~hapc.pipeline.PipelineModule`: train with ``loss = module.train_step(*batch)``
             (forward and backward of ``num_micro`` micro-batches by ``schedule``: ``"h1f1b"``,
             ``"1f1b"`` or ``"eager-1f1b"``), then step the optimizer.
+        loss_sync: when the all-reduce of the returned loss's value starts. ``"lazy"`` (default;
+            gloo): at its first read, at the start of ``backward()`` or at the module's next call,
+            whichever comes first (:class:`hapc.collectives.LossChannel`) -- a background
+            all-reduce during the forward costs CPU training 5-10% of a step. A rank that reads
+            the loss before ``backward()`` then waits for its peers to read it or to start their
+            backward. ``"eager"``: at the end of the forward (what NCCL always does).
         options: for synthesis when no plan is given -- ``segments``, ``rounds``, ``solver``,
             ``memory``, ``baseline``, ``ratios`` (see :func:`synthesize`) and the theory options
             ``sfb``, ``variants``, ``param_comm``, ``strict`` (see :func:`hapc.derive`).
@@ -288,7 +296,7 @@ def compile(
     if plan is None:
         plan = _agree_on_plan(theory, cluster, group, options, theory_opts)
     plan.check(graph=graph, cluster=cluster, world_size=world)
-    return CompiledModule(model, theory, plan, group=group, device=device, seed=seed, init=init)
+    return CompiledModule(model, theory, plan, group=group, device=device, seed=seed, init=init, loss_sync=loss_sync)
 
 
 def _group_with_timeout(group: Any, seconds: float) -> Any:

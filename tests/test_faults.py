@@ -109,7 +109,10 @@ def test_a_hung_collective_times_out_on_the_other_ranks(plan3, tmp_path):
     e = err.value
     assert e.hung == [] and e.died == {}
     assert set(e.errors) == {0, 2}
-    assert all("Timed out waiting 3000ms" in msg for msg in e.errors.values()), e.errors
+    # the first rank to give up says so; a peer whose pending operation shared the pair may
+    # instead see gloo close the pair "caused by" that timeout
+    assert any("Timed out waiting 3000ms" in msg for msg in e.errors.values()), e.errors
+    assert all("Timed out waiting 3000ms" in msg or "Application timeout" in msg for msg in e.errors.values())
 
 
 def _sleeps(rank, world):

@@ -153,13 +153,17 @@ def _local_batch(rank, world, cluster, plan):
 
     model, (x, y) = models.load("mlp", dtype=F64)
     m = hapc.compile(model, cluster, (x, y), plan=plan)
-    whole = m(x, y).item()
+    whole = m(x, y).item()  # every rank the whole batch: the mean's token count needs no all-reduce
     ref = next(n.index for n in plan._theory.graph.inputs if n.name == "x")
     lo, hi = bounds(plan._theory.local_sizes(ref, 0, plan.device_ratios))[rank]
-    mine = m(x[lo:hi], y[lo:hi]).item()  # this rank's share only
+    with pytest.raises(HapcError, match="first call gave every rank the whole batch"):
+        m(x[lo:hi], y[lo:hi])  # the kind of batch is settled on the first call
+    shares = hapc.compile(model, cluster, (x, y), plan=plan)
+    mine = shares(x[lo:hi], y[lo:hi]).item()  # this rank's share only (the count is all-reduced)
+    again = shares(x, y).item()  # a module fed shares may still be given the whole batch
     with pytest.raises(HapcError, match="re-synthesize"):
-        m(x[:6], y[:6])  # neither the global batch (16) nor any rank's share (8, 5, 3)
-    return whole, mine
+        shares(x[:6], y[:6])  # neither the global batch (16) nor any rank's share (8, 5, 3)
+    return whole, mine, again
 
 
 def test_forward_takes_the_global_batch_or_the_local_share():
@@ -167,8 +171,8 @@ def test_forward_takes_the_global_batch_or_the_local_share():
     assert plan.device_ratios == pytest.approx([0.5, 0.3, 0.2])
     model, inputs = models.load("mlp", dtype=F64)
     ref = model(*inputs).item()
-    for whole, mine in run_distributed(_local_batch, 3, cluster_of([5e9, 3e9, 2e9]), plan):
-        assert whole == pytest.approx(ref, rel=1e-12) and mine == pytest.approx(ref, rel=1e-12)
+    for results in run_distributed(_local_batch, 3, cluster_of([5e9, 3e9, 2e9]), plan):
+        assert results == pytest.approx([ref] * 3, rel=1e-12)
 
 
 def _zero(opt, how):

@@ -79,6 +79,16 @@ def rank_source(theory: Theory, plan: Plan, rank: int) -> str:
         f"Generated from a plan for cluster {plan.cluster_name!r} (graph {plan.graph_fingerprint[:12]}, predicted",
         f"step time {plan.time * 1e3:.3f} ms). Each attribute holds the commented slice of the single-device",
         "model's tensor; collectives are given every rank's shard sizes.",
+        *(
+            [
+                "",
+                f"The optional arguments ({', '.join(rp.batch_values)}) are sums over the whole batch",
+                "that the program would otherwise all-reduce; hapc.compile's module computes them",
+                "from the inputs when every rank is given the whole batch.",
+            ]
+            if rp.batch_values
+            else []
+        ),
         '"""',
         "",
         *imports,
@@ -117,6 +127,8 @@ def rank_source(theory: Theory, plan: Plan, rank: int) -> str:
 
 def _keyword_spacing(line: str) -> str:
     """``f(x, dim = 1)`` -> ``f(x, dim=1)`` (fx spaces keyword arguments like assignments)."""
+    if line.lstrip().startswith("def "):  # default values of optional arguments
+        return re.sub(r"(\w+) = ", r"\1=", line)
     head, sep, rest = line.partition(" = ")
     return head + sep + re.sub(r"(\w+) = ", r"\1=", rest) if sep else line
 

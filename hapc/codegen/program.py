@@ -102,6 +102,8 @@ class RankProgram:
         self.placeholders: dict[int, fx.Node] = {}
         self.state: dict[str, tuple[int, Layout]] = {}  # attribute -> (node, layout) to shard from
         self.grad_complete: set[int] = set()
+        # optional trailing arguments: name -> data-only node whose whole-batch value they carry
+        self.batch_values: dict[str, int] = {}
         self._group: fx.Node | None = None
         self._device: fx.Node | None = None
         self._calls: dict[Any, fx.Node] = {}
@@ -119,6 +121,20 @@ class RankProgram:
             with self.graph.inserting_after(self._last_placeholder()):
                 self._group = self.graph.get_attr("group")
         return self._group
+
+    def _batch_value(self, node: Any) -> fx.Node | None:
+        """An optional argument for the whole-batch value of data-only node ``node`` (when it
+        depends on the model's inputs alone, not on its buffers)."""
+        graph = self.theory.graph
+        kinds = {graph[i].kind for i in graph.ancestors(node.index)}
+        if INPUT not in kinds or PARAM in kinds or BUFFER in kinds:
+            return None
+        name = f"{node.name}_global"
+        if name not in self.batch_values:
+            with self.graph.inserting_after(self._last_placeholder()):
+                self.graph.placeholder(name, default_value=None)
+            self.batch_values[name] = node.index
+        return next(n for n in self.graph.nodes if n.op == "placeholder" and n.target == name)
 
     def _last_placeholder(self) -> fx.Node | None:
         last = None
@@ -344,9 +360,11 @@ class RankProgram:
             )
         elif ins.op == "all_reduce" and not self._needs_grad(node.index):
             # data-only values (token counts of a sharded batch): start the all-reduce as soon as
-            # the value exists and wait where it is used, hiding its latency behind the forward
+            # the value exists and wait where it is used, hiding its latency behind the forward.
+            # Given the whole batch, the caller computes the sum itself and passes it in (known=)
+            known = self._batch_value(node)
             with g.inserting_after(x):
-                handle = g.call_function(C.all_reduce_start, (x, self.group()), name=f"{name}_start")
+                handle = g.call_function(C.all_reduce_start, (x, self.group()), {"known": known}, name=f"{name}_start")
             out = g.call_function(C.wait, (handle,), name=name)
         elif ins.op == "all_reduce":
             out = g.call_function(C.all_reduce, (x, self.group()), name=name)

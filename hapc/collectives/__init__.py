@@ -13,13 +13,16 @@ from .fused import (
 )
 from .ops import (
     GlobalLoss,
+    LossChannel,
     Pending,
     all_gather,
     all_reduce,
     all_reduce_start,
     all_to_all,
+    deferring,
     global_value,
     grad_scale,
+    on_backward,
     reduce_scatter,
     wait,
 )
@@ -27,17 +30,20 @@ from .shards import take_shard, take_whole
 
 __all__ = [
     "GlobalLoss",
+    "LossChannel",
     "Pending",
     "all_gather",
     "all_reduce",
     "all_reduce_start",
     "all_to_all",
+    "deferring",
     "global_value",
     "grad_scale",
     "moe_combine_all_to_all",
     "moe_combine_tokens",
     "moe_dispatch_all_to_all",
     "moe_dispatch_tokens",
+    "on_backward",
     "reduce_scatter",
     "sfb_linear",
     "sync_batch_norm",

@@ -23,7 +23,10 @@ with its own broadcast / reduce (HAP Fig. 3). All-to-all packs the pieces into o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -232,22 +235,111 @@ def grad_scale(x: torch.Tensor, factor: float) -> torch.Tensor:
     return _GradScale.apply(x, factor)
 
 
+class Pending:
+    """A collective in flight (:func:`all_reduce_start`), or a loss all-reduce its
+    :class:`LossChannel` has not started yet; :func:`wait` yields its result."""
+
+    __slots__ = ("channel", "tensor", "work")
+
+    def __init__(self, tensor: torch.Tensor, work: dist.Work | None, channel: LossChannel | None = None):
+        self.tensor, self.work, self.channel = tensor, work, channel
+
+
+def all_reduce_start(x: torch.Tensor, group: Group = None, known: torch.Tensor | None = None) -> Pending:
+    """Start ``all_reduce`` of a tensor that needs no gradient (data-derived values such as token
+    counts) without waiting for it. ``known``: the sum, already computed by the caller from the
+    global batch (``CompiledModule`` does when every rank was given the whole batch): no
+    communication then."""
+    if known is not None:
+        return Pending(known, None)
+    if x.requires_grad:
+        raise RuntimeError("all_reduce_start is for tensors without gradients; use all_reduce")
+    out = x.detach().contiguous().clone()
+    return Pending(out, dist.all_reduce(out, group=group, async_op=True))
+
+
+def wait(pending: Pending) -> torch.Tensor:
+    """The result of a started collective (blocks until it has arrived)."""
+    if pending.work is not None:
+        pending.work.wait()
+        pending.work = None
+    return pending.tensor
+
+
 def global_value(partial: torch.Tensor, group: Group = None) -> torch.Tensor:
     """A Partial scalar whose *value* is the sum over ranks but whose gradient flows to this
     rank's summand unchanged: what the loss of a program returns, so every rank reports the loss.
 
-    The sum is all-reduced in the background (a blocking all-reduce here would synchronise the
-    ranks in the middle of every step); the result is a :class:`GlobalLoss` that waits for it on
-    first use, or after ``backward()`` -- which therefore overlaps with it."""
+    The result is a :class:`GlobalLoss` that waits for the sum on first use. The all-reduce starts
+    here -- unless the caller runs the program inside :func:`deferring` (``CompiledModule`` on
+    gloo does), which hands it to a :class:`LossChannel` that starts it later, when it is cheapest."""
+    channel = _ACTIVE[-1] if _ACTIVE else None
+    if channel is not None and channel.group is group:
+        return channel.defer(partial)
     total = partial.detach().clone()
-    work = dist.all_reduce(total, group=group, async_op=True)
+    return _global_loss(partial, Pending(total, dist.all_reduce(total, group=group, async_op=True)))
+
+
+def _global_loss(partial: torch.Tensor, pending: Pending) -> GlobalLoss:
     out = partial.clone().as_subclass(GlobalLoss)  # clone: the value is overwritten on arrival
-    out._hapc_pending = (work, total)
+    out._hapc_pending = pending
     return out
 
 
+class LossChannel:
+    """The all-reduces of the losses one module returns, started lazily on the module's own
+    process group.
+
+    An all-reduce running in the background costs the compute threads on CPU (gloo's threads
+    wake while the forward and backward run): started at the end of every forward it made a
+    data-parallel step 5-10% slower than DDP's (``benchmarks/runtime_overhead.py``). Deferred, each
+    loss's all-reduce starts at the earliest of
+
+    * a read of its value (any torch op on the :class:`GlobalLoss`, ``item()``, ``print``),
+    * the backward pass's first collective: right before its first gradient bucket (data
+      parallel: then it costs nothing measurable), or at its start when the program's backward
+      communicates before that (tensor parallel),
+    * the module's next call or collective (:meth:`flush` from ``CompiledModule``),
+    * the end of a forward that no backward can follow (no grad).
+
+    Starting always flushes every older loss first, so each rank starts its loss all-reduces in
+    creation order -- the same on every rank, however the ranks differ in when they read: a rank
+    that prints the loss before ``backward()`` waits until its peers' backward gets there, and
+    nothing else runs on the group in between (it is the module's alone), so it never pairs with
+    another collective."""
+
+    def __init__(self, group: Group):
+        self.group = group
+        self._waiting: list[Pending] = []  # not started yet, oldest first
+
+    def defer(self, partial: torch.Tensor) -> GlobalLoss:
+        pending = Pending(partial.detach().clone(), None, self)
+        self._waiting.append(pending)
+        return _global_loss(partial, pending)
+
+    def flush(self) -> None:
+        """Start every waiting all-reduce, oldest first."""
+        waiting, self._waiting = self._waiting, []
+        for p in waiting:
+            p.work = dist.all_reduce(p.tensor, group=self.group, async_op=True)
+            p.channel = None
+
+
+_ACTIVE: list[LossChannel | None] = []
+
+
+@contextlib.contextmanager
+def deferring(channel: LossChannel | None) -> Iterator[None]:
+    """Inside, :func:`global_value` on ``channel.group`` defers its all-reduce to ``channel``."""
+    _ACTIVE.append(channel)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
 class GlobalLoss(torch.Tensor):
-    """The loss a program returns while the all-reduce of its value is in flight.
+    """The loss a program returns while the all-reduce of its value is pending.
 
     To autograd it is this rank's Partial summand (``backward()`` seeds this rank's share of the
     gradient); its value becomes the sum over ranks before anything can read it: every torch
@@ -260,17 +352,17 @@ class GlobalLoss(torch.Tensor):
     >>> loss.item()                  # the global loss, on every rank
     """
 
-    _hapc_pending: tuple[dist.Work | None, torch.Tensor] | None
+    _hapc_pending: Pending | None
 
     def _hapc_resolve(self) -> None:
         pending = self.__dict__.pop("_hapc_pending", None)
         if pending is None:
             return
-        work, total = pending
-        if work is not None:
-            work.wait()
+        if pending.channel is not None:  # deferred and not started yet: start it (and older ones)
+            pending.channel.flush()
+            _wait_patiently(pending)
         with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
-            self.copy_(total)
+            self.copy_(wait(pending))
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -285,6 +377,36 @@ class GlobalLoss(torch.Tensor):
         return out
 
 
+PATIENCE_S = 30.0
+
+
+def _wait_patiently(pending: Pending) -> None:
+    """A loss read before ``backward()`` waits for every peer to read it or start its backward;
+    if that takes long, say why (a peer blocked in another collective first would never come)."""
+    work, start, warned = pending.work, time.monotonic(), False
+    while work is not None and not work.is_completed():
+        if not warned and time.monotonic() - start > PATIENCE_S:
+            warned = True
+            warnings.warn(
+                f"hapc: rank {dist.get_rank()} has waited {PATIENCE_S:.0f} s for the loss all-reduce: its peers "
+                "have neither read this loss nor started backward(). If only some ranks read the loss before "
+                "backward() and the others wait in another collective first, this never completes: read the "
+                "loss on every rank or after backward(), or compile with loss_sync='eager'",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        time.sleep(1e-4)
+
+
+def on_backward(x: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+    """Call ``hook(grad)`` when a backward pass reaches ``x``. A :class:`GlobalLoss` is an alias of
+    its value's tensor whose autograd node is replaced when the global value is written into it (a
+    read before ``backward()``), which would drop a hook on the alias: it goes on the base."""
+    with torch._C.DisableTorchFunctionSubclass():  # a GlobalLoss must not wait for its value here
+        target = x._base if isinstance(x, GlobalLoss) and x._base is not None else x
+        target.register_hook(hook)
+
+
 def _resolve_losses(*trees: object) -> None:
     for x in trees:
         if isinstance(x, GlobalLoss):
@@ -293,29 +415,3 @@ def _resolve_losses(*trees: object) -> None:
             _resolve_losses(*x)
         elif isinstance(x, dict):
             _resolve_losses(*x.values())
-
-
-class Pending:
-    """An all-reduce in flight (:func:`all_reduce_start`); :func:`wait` yields its result."""
-
-    __slots__ = ("tensor", "work")
-
-    def __init__(self, tensor: torch.Tensor, work: dist.Work | None):
-        self.tensor, self.work = tensor, work
-
-
-def all_reduce_start(x: torch.Tensor, group: Group = None) -> Pending:
-    """Start ``all_reduce`` of a tensor that needs no gradient (data-derived values such as token
-    counts) without waiting for it."""
-    if x.requires_grad:
-        raise RuntimeError("all_reduce_start is for tensors without gradients; use all_reduce")
-    out = x.detach().contiguous().clone()
-    return Pending(out, dist.all_reduce(out, group=group, async_op=True))
-
-
-def wait(pending: Pending) -> torch.Tensor:
-    """The result of a started collective (blocks until it has arrived)."""
-    if pending.work is not None:
-        pending.work.wait()
-        pending.work = None
-    return pending.tensor

@@ -169,8 +169,16 @@ class PipelineModule(nn.Module):
         owned = [{n.target for n in s.graph if n.kind in (PARAM, BUFFER) and n.target in keys} for s in stages]
         # other stages' tensors are neither materialised nor kept here: a stage holds only its own
         elsewhere = set().union(*owned) - owned[self.stage]
+        # eager loss all-reduces: the schedule's sends and receives interleave with them
         self.module = CompiledModule(
-            model, theories[self.stage], plan, group=self.group, device=device, seed=seed, elsewhere=elsewhere
+            model,
+            theories[self.stage],
+            plan,
+            group=self.group,
+            device=device,
+            seed=seed,
+            elsewhere=elsewhere,
+            loss_sync="eager",
         )
         self.device = self.module.device
         self.actions: list[Action] = schedule(spec.warmups, spec.num_micro)[self.stage]

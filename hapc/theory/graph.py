@@ -16,7 +16,7 @@ The last node is the loss, a scalar.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,24 +207,35 @@ class RefGraph:
         return self.evaluate(inputs, **tensors)[-1]
 
     def evaluate(
-        self, inputs: dict[str, torch.Tensor] | None = None, *, upto: int | None = None, **tensors: torch.Tensor
+        self,
+        inputs: dict[str, torch.Tensor] | None = None,
+        *,
+        upto: int | Iterable[int] | None = None,
+        **tensors: torch.Tensor,
     ) -> list[Any]:
         """Every node's value on concrete inputs, with the module's own parameters and buffers.
-        With ``upto``, only that node and what it depends on are computed (the rest are ``None``)."""
+        With ``upto`` (a node or several), only those and what they depend on are computed (the
+        rest are ``None``)."""
         given = dict(inputs or {}, **tensors)
         values: list[Any] = [None] * len(self.nodes)
-        need = self.ancestors(upto) if upto is not None else None
-        state = dict(self.module.named_parameters())
-        state.update(self.module.named_buffers())
+        if upto is None:
+            nodes = self.nodes
+        else:
+            need: set[int] = set()
+            for i in [upto] if isinstance(upto, int) else upto:
+                need |= self.ancestors(i)
+            nodes = [self.nodes[i] for i in sorted(need)]
+        state: dict[str, Any] | None = None
         device = next((v.device for v in given.values() if isinstance(v, torch.Tensor)), None)
-        for n in self.nodes:
-            if need is not None and n.index not in need:
-                continue
+        for n in nodes:
             if n.kind == INPUT:
                 if n.name not in given:
                     raise KeyError(f"no value for model input {n.name!r}")
                 values[n.index] = given[n.name]
             elif n.kind in (PARAM, BUFFER):
+                if state is None:
+                    state = dict(self.module.named_parameters())
+                    state.update(self.module.named_buffers())
                 values[n.index] = state[n.target] if n.target in state else _getattr(self.module, n.target)
             else:
                 a, k = map_refs((n.args, n.kwargs), lambda r: values[r.index])

@@ -1,0 +1,177 @@
+"""When the loss's all-reduce starts (``hapc.collectives.LossChannel``), and the token count of a
+mean loss computed from the whole batch: however the ranks differ in when they read the loss,
+every rank gets the global value and the single-device gradients, and nothing hangs."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import assert_close
+
+import hapc
+import hapc.collectives.ops as ops
+import models
+from hapc.testing import cluster_of, run_distributed
+
+F64 = torch.float64
+THREE = cluster_of([5e9, 3e9, 2e9])
+
+
+def _reference(alias: str, batches: int = 2):
+    """Per batch (the same batch, after an SGD step each): loss and gradients on one device."""
+    model, inputs = models.load(alias, dtype=F64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    out = []
+    for _ in range(batches):
+        opt.zero_grad()
+        loss = model(*inputs)
+        loss.backward()
+        out.append((loss.item(), {k: p.grad.clone() for k, p in model.named_parameters()}))
+        opt.step()
+    return out
+
+
+def _pattern(rank, world, alias, pattern, sync):
+    """Two SGD steps; ``pattern`` says what each rank does between forward and backward."""
+    model, inputs = models.load(alias, dtype=F64)
+    m = hapc.compile(model, THREE, inputs, plan=None, baseline="dp-cp", loss_sync=sync)
+    assert (m._channel is not None) == (sync == "lazy"), "gloo runs the lazy loss channel unless told not to"
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    out, early = [], []
+    for _ in range(2):
+        opt.zero_grad()
+        if pattern == "eval-first":  # a forward no backward follows, read on rank 0 only
+            probe = m(*inputs)
+            if rank == 0:
+                early.append(probe.item())
+        loss = m(*inputs)
+        if pattern == "rank0-reads-early" and rank == 0:
+            early.append(loss.item())  # before backward, on one rank only
+        if pattern == "late-peer":
+            if rank == 0:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    early.append(loss.item())  # waits for the peers' backward to start it
+                early.append(any("waited" in str(w.message) for w in caught))
+            else:
+                time.sleep(1.0)
+        loss.backward()
+        out.append((loss.item(), m.full_gradients()))
+        opt.step()
+    return out, early
+
+
+@pytest.mark.parametrize(
+    "pattern, sync",
+    [("rank0-reads-early", "lazy"), ("rank0-reads-early", "eager"), ("eval-first", "lazy"), ("late-peer", "lazy")],
+)
+def test_ranks_that_read_the_loss_at_different_times_agree(pattern, sync, monkeypatch):
+    monkeypatch.setattr(ops, "PATIENCE_S", 0.3)  # inherited by the forked ranks
+    ref = _reference("gpt")
+    results = run_distributed(_pattern, 3, "gpt", pattern, sync, timeout=60)
+    for rank, (out, early) in enumerate(results):
+        for (loss, grads), (want_loss, want_grads) in zip(out, ref):
+            assert_close(loss, want_loss, F64, f"rank {rank} loss")
+            assert_close(grads, want_grads, F64, f"rank {rank} grads")
+        if rank == 0 and pattern == "rank0-reads-early":
+            assert early == pytest.approx([r[0] for r in ref], rel=1e-12)
+        if rank == 0 and pattern == "eval-first":  # the probe of step 1 runs on the stepped weights
+            assert early == pytest.approx([r[0] for r in ref], rel=1e-12)
+        if rank == 0 and pattern == "late-peer":
+            assert early[0] == pytest.approx(ref[0][0], rel=1e-12)
+            assert early[1], "a rank kept waiting for its peers is told why"
+
+
+def _several(rank, world, sync):
+    """Two forwards before one backward, a no-grad forward, and accumulation under no_sync."""
+    model, inputs = models.load("gpt", dtype=F64)
+    m = hapc.compile(model, THREE, inputs, plan=None, baseline="dp-cp", loss_sync=sync)
+    (m(*inputs) + 2 * m(*inputs)).backward()
+    grads = m.full_gradients()
+    with torch.no_grad():
+        value = m(*inputs)
+    m.zero_grad(set_to_none=True)
+    with m.no_sync():
+        first = m(*inputs)
+        first.backward()
+    second = m(*inputs)
+    second.backward()
+    return grads, value.item(), first.item(), second.item(), m.full_gradients()
+
+
+@pytest.mark.parametrize("sync", ["lazy", "eager"])
+def test_several_forwards_no_grad_and_no_sync(sync):
+    model, inputs = models.load("gpt", dtype=F64)
+    loss = model(*inputs)
+    (3 * loss).backward()
+    three = {k: p.grad.clone() for k, p in model.named_parameters()}
+    want = {k: 2 * g / 3 for k, g in three.items()}  # two backwards of the loss, accumulated
+    for grads, value, first, second, accumulated in run_distributed(_several, 3, sync):
+        assert_close(grads, three, F64, "grads of loss + 2 loss")
+        for v in (value, first, second):
+            assert v == pytest.approx(loss.item(), rel=1e-12)
+        assert_close(accumulated, want, F64, "no_sync accumulation")
+
+
+def _mixed(rank, world):
+    from hapc.balance.rounding import bounds
+
+    model, (x, y) = models.load("mlp", dtype=F64)
+    m = hapc.compile(model, THREE, (x, y), plan=None, baseline="dp-cp")
+    ref = next(n.index for n in m.theory.graph.inputs if n.name == "x")
+    lo, hi = bounds(m.theory.local_sizes(ref, 0, m.plan.device_ratios))[rank]
+    first = m(x, y) if rank == 0 else m(x[lo:hi], y[lo:hi])  # rank 0 the whole batch, the others shares
+    first.backward()
+    return first.item(), m._whole_batch, m.full_gradients()
+
+
+def test_ranks_given_different_kinds_of_batch_agree_to_all_reduce_counts():
+    model, inputs = models.load("mlp", dtype=F64)
+    loss = model(*inputs)
+    loss.backward()
+    want = {k: p.grad for k, p in model.named_parameters()}
+    for value, whole, grads in run_distributed(_mixed, 3):
+        assert whole is False
+        assert value == pytest.approx(loss.item(), rel=1e-12)
+        assert_close(grads, want, F64, "grads")
+
+
+def _program(rank, world):
+    model, inputs = models.load("gpt", dtype=F64)
+    m = hapc.compile(model, THREE, inputs, plan=None, baseline="dp-cp")
+    m(*inputs).backward()
+    counts = [n for n in m.program.graph.nodes if n.target is hapc.collectives.all_reduce_start]
+    return m.code, [n.kwargs["known"].target for n in counts], m._whole_batch, dist.get_world_size(m.group)
+
+
+def test_token_counts_come_from_the_whole_batch_as_an_argument():
+    for code, known, whole, size in run_distributed(_program, 3):
+        assert known == ["cross_entropy_count_global"]
+        assert "def forward(self, idx, targets, cross_entropy_count_global=None):" in code
+        assert "known=cross_entropy_count_global" in code
+        assert whole is True and size == 3  # the module's own group, all ranks
+
+
+def _tensor_parallel_early_read(rank, world):
+    model, inputs = models.load("gpt", dtype=F64)
+    m = hapc.compile(model, cluster_of([5e9, 3e9, 2e9], bandwidth="10 MB/s"), inputs)
+    loss = m(*inputs)
+    if rank == 0:
+        loss.item()  # before backward, on one rank: the loss goes before the backward's collectives
+    loss.backward()
+    return m._backward_communicates, loss.item(), m.full_gradients()
+
+
+def test_a_backward_that_communicates_starts_the_loss_all_reduce_first():
+    model, inputs = models.load("gpt", dtype=F64)
+    loss = model(*inputs)
+    loss.backward()
+    want = {k: p.grad for k, p in model.named_parameters()}
+    for communicates, value, grads in run_distributed(_tensor_parallel_early_read, 3):
+        assert communicates, "on a slow link the plan shards weights: its backward communicates"
+        assert value == pytest.approx(loss.item(), rel=1e-12)
+        assert_close(grads, want, F64, "grads")
