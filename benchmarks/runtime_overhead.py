@@ -5,8 +5,8 @@ blocks so that machine noise hits both alike:
 
 * **data parallel**: hapc's pure data-parallel plan of a GPT vs
   ``torch.nn.parallel.DistributedDataParallel`` on the same model, batch and optimizer. hapc's
-  module returns the global loss on every rank (one scalar all-reduce per step, started when the
-  backward starts: :class:`hapc.collectives.LossChannel`), DDP the local one; the second row gives
+  module returns the global loss on every rank (one scalar all-reduce per step, started with the
+  gradient bucket: :class:`hapc.collectives.LossChannel`), DDP the local one; the second row gives
   DDP the plain blocking all-reduce a DDP user writes to log that loss;
 * **tensor parallel**: hapc's plan of a transformer MLP block on a slow link (it picks Megatron's
   column/row sharding, checked) vs the same sharding written with
@@ -18,7 +18,7 @@ of processes to the next on these two shared cores, more than within one) and ta
 step of each side; the table reports the median over rounds of hapc / PyTorch, with the range
 (goals: DP <= 1.05, TP <= 1.10).
 
-    python benchmarks/runtime_overhead.py [--steps 100] [--rounds 3] [--json out.json] [--quick]
+    python benchmarks/runtime_overhead.py [--steps 100] [--rounds 5] [--json out.json] [--quick]
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def _row(name: str, cfg: dict, rounds: list[list[dict]], a: str, b: str, goal: f
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=100, help="timed steps per side and round")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds, each on fresh processes")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds, each on fresh processes")
     ap.add_argument("--json", default=str(Path(__file__).with_suffix(".json")))
     ap.add_argument("--quick", action="store_true", help="tiny sizes, few steps, one round (smoke test)")
     args = ap.parse_args()

@@ -240,11 +240,11 @@ def compile(
             (forward and backward of ``num_micro`` micro-batches by ``schedule``: ``"h1f1b"``,
             ``"1f1b"`` or ``"eager-1f1b"``), then step the optimizer.
         loss_sync: when the all-reduce of the returned loss's value starts. ``"lazy"`` (default;
-            gloo): at its first read, at the start of ``backward()`` or at the module's next call,
-            whichever comes first (:class:`hapc.collectives.LossChannel`) -- a background
-            all-reduce during the forward costs CPU training 5-10% of a step. A rank that reads
-            the loss before ``backward()`` then waits for its peers to read it or to start their
-            backward. ``"eager"``: at the end of the forward (what NCCL always does).
+            gloo): at its first read, right before the backward's first gradient bucket, at the
+            next call of a hapc module or 50 ms after the forward, whichever is first
+            (:class:`hapc.collectives.LossChannel`) -- a background all-reduce during the forward
+            costs CPU training 5-10% of a step. ``"eager"``: at the end of the forward (what NCCL
+            and pipeline stages always do).
         options: for synthesis when no plan is given -- ``segments``, ``rounds``, ``solver``,
             ``memory``, ``baseline``, ``ratios`` (see :func:`synthesize`) and the theory options
             ``sfb``, ``variants``, ``param_comm``, ``strict`` (see :func:`hapc.derive`).

@@ -5,7 +5,6 @@ every rank gets the global value and the single-device gradients, and nothing ha
 from __future__ import annotations
 
 import time
-import warnings
 
 import pytest
 import torch
@@ -13,7 +12,6 @@ import torch.distributed as dist
 from harness import assert_close
 
 import hapc
-import hapc.collectives.ops as ops
 import models
 from hapc.testing import cluster_of, run_distributed
 
@@ -53,12 +51,13 @@ def _pattern(rank, world, alias, pattern, sync):
             early.append(loss.item())  # before backward, on one rank only
         if pattern == "late-peer":
             if rank == 0:
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    early.append(loss.item())  # waits for the peers' backward to start it
-                early.append(any("waited" in str(w.message) for w in caught))
+                early.append(loss.item())  # waits for the peers to start it (their deadline)
             else:
-                time.sleep(1.0)
+                time.sleep(0.5)
+        if pattern == "barrier-between":  # read on one rank, then a collective outside the module
+            if rank == 0:
+                early.append(loss.item())
+            dist.barrier()
         loss.backward()
         out.append((loss.item(), m.full_gradients()))
         opt.step()
@@ -67,10 +66,15 @@ def _pattern(rank, world, alias, pattern, sync):
 
 @pytest.mark.parametrize(
     "pattern, sync",
-    [("rank0-reads-early", "lazy"), ("rank0-reads-early", "eager"), ("eval-first", "lazy"), ("late-peer", "lazy")],
+    [
+        ("rank0-reads-early", "lazy"),
+        ("rank0-reads-early", "eager"),
+        ("eval-first", "lazy"),
+        ("late-peer", "lazy"),
+        ("barrier-between", "lazy"),
+    ],
 )
-def test_ranks_that_read_the_loss_at_different_times_agree(pattern, sync, monkeypatch):
-    monkeypatch.setattr(ops, "PATIENCE_S", 0.3)  # inherited by the forked ranks
+def test_ranks_that_read_the_loss_at_different_times_agree(pattern, sync):
     ref = _reference("gpt")
     results = run_distributed(_pattern, 3, "gpt", pattern, sync, timeout=60)
     for rank, (out, early) in enumerate(results):
@@ -81,9 +85,8 @@ def test_ranks_that_read_the_loss_at_different_times_agree(pattern, sync, monkey
             assert early == pytest.approx([r[0] for r in ref], rel=1e-12)
         if rank == 0 and pattern == "eval-first":  # the probe of step 1 runs on the stepped weights
             assert early == pytest.approx([r[0] for r in ref], rel=1e-12)
-        if rank == 0 and pattern == "late-peer":
-            assert early[0] == pytest.approx(ref[0][0], rel=1e-12)
-            assert early[1], "a rank kept waiting for its peers is told why"
+        if rank == 0 and pattern in ("late-peer", "barrier-between"):
+            assert early == pytest.approx([r[0] for r in ref], rel=1e-12)
 
 
 def _several(rank, world, sync):
@@ -173,5 +176,78 @@ def test_a_backward_that_communicates_starts_the_loss_all_reduce_first():
     want = {k: p.grad for k, p in model.named_parameters()}
     for communicates, value, grads in run_distributed(_tensor_parallel_early_read, 3):
         assert communicates, "on a slow link the plan shards weights: its backward communicates"
+        assert value == pytest.approx(loss.item(), rel=1e-12)
+        assert_close(grads, want, F64, "grads")
+
+
+def _two_modules(rank, world):
+    """Loss of module A read on rank 0 only, then module B's step, then A's backward."""
+    model, inputs = models.load("gpt", dtype=F64)
+    a = hapc.compile(model, THREE, inputs, plan=None, baseline="dp-cp")
+    b = hapc.compile(model, THREE, inputs, plan=None, baseline="dp-cp")
+    la = a(*inputs)
+    if rank == 0:
+        la.item()
+    lb = b(*inputs)
+    lb.backward()
+    la.backward()
+    return la.item(), lb.item(), a.full_gradients(), b.full_gradients()
+
+
+def test_a_loss_read_early_does_not_wait_on_another_module():
+    model, inputs = models.load("gpt", dtype=F64)
+    loss = model(*inputs)
+    loss.backward()
+    want = {k: p.grad for k, p in model.named_parameters()}
+    for la, lb, ga, gb in run_distributed(_two_modules, 3, timeout=60):
+        assert la == pytest.approx(loss.item(), rel=1e-12) and lb == pytest.approx(loss.item(), rel=1e-12)
+        assert_close(ga, want, F64, "module A grads")
+        assert_close(gb, want, F64, "module B grads")
+
+
+def _twice(rank, world):
+    model, inputs = models.load("gpt", dtype=F64)
+    m = hapc.compile(model, THREE, inputs, plan=None, baseline="dp-cp")
+    loss = m(*inputs)
+    loss.backward(retain_graph=True)
+    loss.backward()  # no forward in between: the first backward's summed gradients are kept aside
+    return m.full_gradients()
+
+
+def test_a_second_backward_of_one_forward_accumulates_once():
+    model, inputs = models.load("gpt", dtype=F64)
+    loss = model(*inputs)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    want = {k: p.grad for k, p in model.named_parameters()}
+    for grads in run_distributed(_twice, 3):
+        assert_close(grads, want, F64, "grads of two backwards")
+
+
+def _own_batches(rank, world):
+    model, (x, y) = models.load("mlp", dtype=F64)
+    m = hapc.compile(model, THREE, (x, y), plan=None, baseline="dp-cp")
+    _, (xr, yr) = models.load("mlp", dtype=F64, seed=10 + rank)  # every rank a different whole batch
+    loss = m(xr, yr)
+    loss.backward()
+    return loss.item(), m._whole_batch, m.full_gradients(), m.plan.device_ratios
+
+
+def test_ranks_given_different_whole_batches_all_reduce_their_counts():
+    from hapc.balance.rounding import bounds
+
+    results = run_distributed(_own_batches, 3)
+    model, (x, y) = models.load("mlp", dtype=F64)
+    graph = hapc.trace(model, (x, y))
+    ref = next(n.index for n in graph.inputs if n.name == "x")
+    sizes = hapc.derive(graph).local_sizes(ref, 0, results[0][3])
+    rows = [models.load("mlp", dtype=F64, seed=10 + r)[1] for r in range(3)]
+    xs = torch.cat([rows[r][0][lo:hi] for r, (lo, hi) in enumerate(bounds(sizes))])
+    ys = torch.cat([rows[r][1][lo:hi] for r, (lo, hi) in enumerate(bounds(sizes))])
+    loss = model(xs, ys)  # each rank's share of its own batch: the batch the ranks train on together
+    loss.backward()
+    want = {k: p.grad for k, p in model.named_parameters()}
+    for value, whole, grads, _ in results:
+        assert whole is False, "different batches: counted by all-reduce"
         assert value == pytest.approx(loss.item(), rel=1e-12)
         assert_close(grads, want, F64, "grads")

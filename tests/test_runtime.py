@@ -156,7 +156,7 @@ def _local_batch(rank, world, cluster, plan):
     whole = m(x, y).item()  # every rank the whole batch: the mean's token count needs no all-reduce
     ref = next(n.index for n in plan._theory.graph.inputs if n.name == "x")
     lo, hi = bounds(plan._theory.local_sizes(ref, 0, plan.device_ratios))[rank]
-    with pytest.raises(HapcError, match="first call gave every rank the whole batch"):
+    with pytest.raises(HapcError, match="that every rank was given on the first call"):
         m(x[lo:hi], y[lo:hi])  # the kind of batch is settled on the first call
     shares = hapc.compile(model, cluster, (x, y), plan=plan)
     mine = shares(x[lo:hi], y[lo:hi]).item()  # this rank's share only (the count is all-reduced)

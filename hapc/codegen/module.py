@@ -8,6 +8,10 @@ conversion between the sharded state and an ordinary single-device ``state_dict`
   across ranks in buckets whose all-reduces start while the backward is still running (as DDP
   does), and complete before ``loss.backward()`` returns. Parameters whose gradient a strategy
   makes whole (sufficient-factor broadcasting) are left alone; sharded ones need nothing.
+* The returned loss's value is all-reduced lazily on gloo, on a process group of the module's
+  own (:class:`hapc.collectives.LossChannel`); token counts of a mean loss are computed from the
+  whole batch when every rank is given it (agreed on the first call) instead of all-reduced. A
+  data-parallel step then communicates like DDP: the gradient buckets, plus one deferred scalar.
 * ``full_state_dict()`` gathers the shards into the single-device ``state_dict`` (and, given the
   optimizer, its state keyed by parameter name), so a checkpoint moves between plans, world sizes
   and back to one device; ``load_full_state_dict`` does the reverse.
@@ -139,13 +143,14 @@ class CompiledModule(nn.Module):
         self._flush()
         if self.world > 1 and torch.is_grad_enabled():
             self._prepare_accumulation()
+            self._synced = False
         whole = self._whole_batch_values(bound)
         with C.deferring(self._channel):
             out = self.program(*[bound[n] for n in names], *whole)
         with torch._C.DisableTorchFunctionSubclass():  # a GlobalLoss must not wait for its value here
             if not out.requires_grad:
                 self._flush()  # no backward will start its all-reduce
-            elif self._output_hook or self._channel is not None:
+            elif self.world > 1:
                 C.on_backward(out, self._on_output_grad)
         for key in self._counters:
             if key in self._unused:
@@ -153,41 +158,52 @@ class CompiledModule(nn.Module):
         return out
 
     def _flush(self) -> None:
-        """Start the all-reduces of earlier losses not started yet (before any other collective of
-        this module, so every rank starts them in the same order)."""
-        if self._channel is not None:
-            self._channel.flush()
+        """Start the deferred loss all-reduces not started yet (this module's and any other's),
+        before any other collective of this module, so every rank starts them in the same order."""
+        C.flush_losses()
 
     def _whole_batch_values(self, bound: dict[str, Any]) -> list[torch.Tensor | None]:
         """The program's optional whole-batch arguments: the values of its data-only all-reduces
         (token counts of a mean loss), computed here from the inputs when every rank was given
-        the whole batch -- the single-device value, no communication -- else ``None`` (the
-        program all-reduces its share). Whether the ranks are given the whole batch is agreed on
-        the first call (one all-reduce); it must hold on every later call."""
+        the same whole batch -- the single-device value, no communication -- else ``None`` (the
+        program all-reduces its share). Whether they are is agreed on the first call (one
+        all-reduce, which also compares the batches); it must hold on every later call."""
         if not self._batch_refs:
             return []
+        batch = {n.name: bound[n.name] for n in self._batch_inputs}
+        shapes = {n.name: tuple(getattr(bound[n.name], "shape", ())) for n in self._batch_inputs}
         whole = all(
-            isinstance(bound[n.name], torch.Tensor) and tuple(bound[n.name].shape) == tuple(n.shape)
-            for n in self._batch_inputs
+            isinstance(batch[n.name], torch.Tensor) and shapes[n.name] == tuple(n.shape) for n in self._batch_inputs
         )
         if self._whole_batch is None:
-            agreed = torch.tensor([int(whole)], device=self.device)
-            if self.world > 1:
-                self._flush()
-                dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
-            self._whole_batch = bool(agreed.item())
+            self._whole_batch = self._agree_on_whole_batch(whole, batch)
         if not self._whole_batch:
             return [None] * len(self._batch_refs)
         if not whole:
-            n = next(n for n in self._batch_inputs if tuple(bound[n.name].shape) != tuple(n.shape))
+            n = next(n for n in self._batch_inputs if shapes[n.name] != tuple(n.shape))
             raise HapcError(
-                f"input {n.name!r} has shape {tuple(bound[n.name].shape)}, this rank's share of the batch, but the "
-                f"first call gave every rank the whole batch {tuple(n.shape)} (the module then counts tokens "
-                "from it without communicating); pass the whole batch on every call, or compile again and pass "
-                "each rank its share from the first call on"
+                f"input {n.name!r} has shape {shapes[n.name]}, not the whole batch {tuple(n.shape)} that every rank "
+                "was given on the first call (the module then counts tokens from it without communicating); pass "
+                "the whole batch on every call, or compile again and pass each rank its share from the first call on"
             )
-        values = self.theory.graph.evaluate({n.name: bound[n.name] for n in self._batch_inputs}, upto=self._batch_refs)
+        values = self.theory.graph.evaluate(batch, upto=self._batch_refs)
         return [values[r].to(self.device) for r in self._batch_refs]
+
+    def _agree_on_whole_batch(self, whole: bool, batch: dict[str, Any]) -> bool:
+        """Whether every rank holds the same whole batch (then each can count it alone)."""
+        if self.world == 1:
+            return whole
+        fp = [0.0, 0.0]
+        if whole:  # a fingerprint of the batch: its sum and a position-weighted sum
+            for x in batch.values():
+                flat = x.detach().reshape(-1).to(torch.float64)
+                fp[0] += float(flat.sum())
+                fp[1] += float(flat @ torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device))
+        agreed = torch.tensor([float(whole), fp[0], fp[1], -fp[0], -fp[1]], dtype=torch.float64, device=self.device)
+        self._flush()
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
+        low, high = agreed[1:3], -agreed[3:5]
+        return bool(agreed[0] == 1) and bool(torch.equal(low, high))
 
     def train(self, mode: bool = True) -> CompiledModule:
         if mode != self._traced_mode and self._mode_sensitive:
@@ -269,6 +285,7 @@ class CompiledModule(nn.Module):
         self._flat: list[torch.Tensor | None] = [None] * len(buckets)  # allocated on first use
         self._carry: dict[int, torch.Tensor] = {}
         self._syncing = True  # False inside no_sync()
+        self._synced = False  # a sync finished since the last forward (a further backward re-uses its graph)
         self._unsynced = False  # .grad holds Partial contributions not summed yet (no_sync)
         self._stash_handles: list[Any] = []
         self._reset_sync()
@@ -352,6 +369,9 @@ class CompiledModule(nn.Module):
         # single bucket the sync is queued (see _setup_grad_sync)
         if self._backward_communicates:
             self._flush()
+        if self._synced:  # a second backward of the same forward (retain_graph): its gradients
+            self._prepare_accumulation()  # are summed already and must not be summed again
+            self._synced = False
         if not self._output_hook:
             return
         if not self._syncing:
@@ -406,6 +426,7 @@ class CompiledModule(nn.Module):
         self._restore_gradients()
         self._reset_sync()
         self._unsynced = False
+        self._synced = True
 
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
         """Every parameter's whole gradient by ``state_dict`` name, gathered from the shards (all

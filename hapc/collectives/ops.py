@@ -24,8 +24,9 @@ with its own broadcast / reduce (HAP Fig. 3). All-to-all packs the pieces into o
 from __future__ import annotations
 
 import contextlib
+import os
+import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -239,10 +240,11 @@ class Pending:
     """A collective in flight (:func:`all_reduce_start`), or a loss all-reduce its
     :class:`LossChannel` has not started yet; :func:`wait` yields its result."""
 
-    __slots__ = ("channel", "tensor", "work")
+    __slots__ = ("channel", "error", "tensor", "work")
 
     def __init__(self, tensor: torch.Tensor, work: dist.Work | None, channel: LossChannel | None = None):
         self.tensor, self.work, self.channel = tensor, work, channel
+        self.error: Exception | None = None
 
 
 def all_reduce_start(x: torch.Tensor, group: Group = None, known: torch.Tensor | None = None) -> Pending:
@@ -260,6 +262,10 @@ def all_reduce_start(x: torch.Tensor, group: Group = None, known: torch.Tensor |
 
 def wait(pending: Pending) -> torch.Tensor:
     """The result of a started collective (blocks until it has arrived)."""
+    if pending.error is not None:
+        raise pending.error
+    if pending.channel is not None:
+        raise RuntimeError("this loss all-reduce has not been started (hapc.collectives.flush_losses)")
     if pending.work is not None:
         pending.work.wait()
         pending.work = None
@@ -273,7 +279,8 @@ def global_value(partial: torch.Tensor, group: Group = None) -> torch.Tensor:
     The result is a :class:`GlobalLoss` that waits for the sum on first use. The all-reduce starts
     here -- unless the caller runs the program inside :func:`deferring` (``CompiledModule`` on
     gloo does), which hands it to a :class:`LossChannel` that starts it later, when it is cheapest."""
-    channel = _ACTIVE[-1] if _ACTIVE else None
+    stack = _LOCAL.__dict__.get("stack")
+    channel = stack[-1] if stack else None
     if channel is not None and channel.group is group:
         return channel.defer(partial)
     total = partial.detach().clone()
@@ -287,8 +294,8 @@ def _global_loss(partial: torch.Tensor, pending: Pending) -> GlobalLoss:
 
 
 class LossChannel:
-    """The all-reduces of the losses one module returns, started lazily on the module's own
-    process group.
+    """Starts the all-reduces of the losses a module returns lazily, on the module's own process
+    group.
 
     An all-reduce running in the background costs the compute threads on CPU (gloo's threads
     wake while the forward and backward run): started at the end of every forward it made a
@@ -299,43 +306,99 @@ class LossChannel:
     * the backward pass's first collective: right before its first gradient bucket (data
       parallel: then it costs nothing measurable), or at its start when the program's backward
       communicates before that (tensor parallel),
-    * the module's next call or collective (:meth:`flush` from ``CompiledModule``),
-    * the end of a forward that no backward can follow (no grad).
+    * the next call or collective of any hapc module (``CompiledModule`` calls :func:`flush_losses`),
+    * the end of a forward that no backward can follow (no grad),
+    * ``DEADLINE_S`` (50-75 ms) after the forward, from a background thread: a step long enough
+      to get there pays at most one overlapped scalar all-reduce (~0.5 ms here, <= 1% of it).
 
-    Starting always flushes every older loss first, so each rank starts its loss all-reduces in
-    creation order -- the same on every rank, however the ranks differ in when they read: a rank
-    that prints the loss before ``backward()`` waits until its peers' backward gets there, and
-    nothing else runs on the group in between (it is the module's alone), so it never pairs with
-    another collective."""
+    Every start flushes all older losses first (of every module, one queue per process), so each
+    rank starts them in creation order -- the same on every rank however the ranks differ in when
+    they read; nothing else runs on a module's group, so a loss all-reduce never pairs with another
+    collective; and the deadline means a rank that reads the loss early never waits on peers
+    that went on to do something else (another module, a barrier) -- at most ``DEADLINE_S``."""
 
     def __init__(self, group: Group):
         self.group = group
-        self._waiting: list[Pending] = []  # not started yet, oldest first
 
     def defer(self, partial: torch.Tensor) -> GlobalLoss:
         pending = Pending(partial.detach().clone(), None, self)
-        self._waiting.append(pending)
+        with _QUEUE.cond:
+            _QUEUE.waiting.append((time.monotonic() + DEADLINE_S, pending))
+            _QUEUE.start_thread()
         return _global_loss(partial, pending)
 
     def flush(self) -> None:
-        """Start every waiting all-reduce, oldest first."""
-        waiting, self._waiting = self._waiting, []
-        for p in waiting:
-            p.work = dist.all_reduce(p.tensor, group=self.group, async_op=True)
+        """Start every waiting loss all-reduce (all modules'), oldest first."""
+        flush_losses()
+
+
+DEADLINE_S = 0.05
+
+
+class _Queue:
+    """The process's deferred loss all-reduces, oldest first, and the thread that starts each at
+    its deadline. One lock orders every start, from any thread."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.waiting: list[tuple[float, Pending]] = []
+        self.thread: threading.Thread | None = None
+
+    def start_thread(self) -> None:  # under cond
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="hapc-loss-deadline", daemon=True)
+            self.thread.start()
+
+    def flush(self) -> None:  # under cond
+        while self.waiting:
+            _, p = self.waiting[0]
+            try:
+                p.work = dist.all_reduce(p.tensor, group=p.channel.group, async_op=True)
+            except Exception as exc:  # the read raises it; later losses still go out, in order
+                p.error = exc
             p.channel = None
+            self.waiting.pop(0)
+
+    def _run(self) -> None:
+        # polls (a wake-up per step would cost more on busy cores than this one every 25 ms)
+        with self.cond:
+            while True:
+                self.cond.wait(DEADLINE_S / 2)
+                if self.waiting and self.waiting[0][0] <= time.monotonic():
+                    self.flush()
 
 
-_ACTIVE: list[LossChannel | None] = []
+_QUEUE = _Queue()
+
+
+def _after_fork() -> None:  # a forked child has the queue's memory but not its thread or lock state
+    global _QUEUE
+    _QUEUE = _Queue()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def flush_losses() -> None:
+    """Start every deferred loss all-reduce of this process now, oldest first (see
+    :class:`LossChannel`); a hapc module calls it before any collective of its own."""
+    if _QUEUE.waiting:
+        with _QUEUE.cond:
+            _QUEUE.flush()
+
+
+_LOCAL = threading.local()  # per thread: the channels of the programs running (deferring)
 
 
 @contextlib.contextmanager
 def deferring(channel: LossChannel | None) -> Iterator[None]:
     """Inside, :func:`global_value` on ``channel.group`` defers its all-reduce to ``channel``."""
-    _ACTIVE.append(channel)
+    stack = _LOCAL.__dict__.setdefault("stack", [])
+    stack.append(channel)
     try:
         yield
     finally:
-        _ACTIVE.pop()
+        stack.pop()
 
 
 class GlobalLoss(torch.Tensor):
@@ -344,25 +407,27 @@ class GlobalLoss(torch.Tensor):
     To autograd it is this rank's Partial summand (``backward()`` seeds this rank's share of the
     gradient); its value becomes the sum over ranks before anything can read it: every torch
     operation on it (``item()``, ``print``, arithmetic, ``detach()``...) first waits for the
-    all-reduce and writes the global value in place. ``loss.backward()`` runs the backward pass
-    first, so the all-reduce hides behind it. Results of operations are plain tensors.
+    all-reduce and writes the global value in place. ``loss.backward()`` does not wait for it
+    first (the all-reduce runs beside the backward, see :class:`LossChannel`) and resolves it
+    after, when it has started. Results of operations are plain tensors.
 
     >>> loss = module(*batch)        # doctest: +SKIP
-    >>> loss.backward()              # the loss all-reduce overlaps with backward
+    >>> loss.backward()              # the loss all-reduce goes out with the gradients
     >>> loss.item()                  # the global loss, on every rank
     """
 
     _hapc_pending: Pending | None
 
-    def _hapc_resolve(self) -> None:
-        pending = self.__dict__.pop("_hapc_pending", None)
-        if pending is None:
+    def _hapc_resolve(self, started_only: bool = False) -> None:
+        pending = self.__dict__.get("_hapc_pending")
+        if pending is None or (started_only and pending.channel is not None):
             return
         if pending.channel is not None:  # deferred and not started yet: start it (and older ones)
-            pending.channel.flush()
-            _wait_patiently(pending)
+            flush_losses()
+        value = wait(pending)  # raises if it failed; the loss stays pending, so every read raises
         with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
-            self.copy_(wait(pending))
+            self.copy_(value)
+        del self.__dict__["_hapc_pending"]
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -372,30 +437,9 @@ class GlobalLoss(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             plain = tuple(a.as_subclass(torch.Tensor) if isinstance(a, GlobalLoss) else a for a in args)
             out = func(*plain, **kwargs)  # plain tensors: ``Tensor.__format__`` & co. check the type
-        if func is torch.Tensor.backward:
-            _resolve_losses(args, kwargs)
+        if func is torch.Tensor.backward:  # a loss still waiting (no_sync: no bucket went out) keeps waiting
+            _resolve_losses(args, kwargs, started_only=True)
         return out
-
-
-PATIENCE_S = 30.0
-
-
-def _wait_patiently(pending: Pending) -> None:
-    """A loss read before ``backward()`` waits for every peer to read it or start its backward;
-    if that takes long, say why (a peer blocked in another collective first would never come)."""
-    work, start, warned = pending.work, time.monotonic(), False
-    while work is not None and not work.is_completed():
-        if not warned and time.monotonic() - start > PATIENCE_S:
-            warned = True
-            warnings.warn(
-                f"hapc: rank {dist.get_rank()} has waited {PATIENCE_S:.0f} s for the loss all-reduce: its peers "
-                "have neither read this loss nor started backward(). If only some ranks read the loss before "
-                "backward() and the others wait in another collective first, this never completes: read the "
-                "loss on every rank or after backward(), or compile with loss_sync='eager'",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        time.sleep(1e-4)
 
 
 def on_backward(x: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
@@ -407,11 +451,11 @@ def on_backward(x: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
         target.register_hook(hook)
 
 
-def _resolve_losses(*trees: object) -> None:
+def _resolve_losses(*trees: object, started_only: bool = False) -> None:
     for x in trees:
         if isinstance(x, GlobalLoss):
-            x._hapc_resolve()
+            x._hapc_resolve(started_only)
         elif isinstance(x, (list, tuple)):
-            _resolve_losses(*x)
+            _resolve_losses(*x, started_only=started_only)
         elif isinstance(x, dict):
-            _resolve_losses(*x.values())
+            _resolve_losses(*x.values(), started_only=started_only)
