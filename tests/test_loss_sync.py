@@ -12,6 +12,7 @@ import torch.distributed as dist
 from harness import assert_close
 
 import hapc
+import hapc.codegen.module
 import models
 from hapc.testing import cluster_of, run_distributed
 
@@ -37,6 +38,8 @@ def _pattern(rank, world, alias, pattern, sync):
     """Two SGD steps; ``pattern`` says what each rank does between forward and backward."""
     model, inputs = models.load(alias, dtype=F64)
     m = hapc.compile(model, THREE, inputs, plan=None, baseline="dp-cp", loss_sync=sync)
+    if pattern.endswith("many-buckets"):
+        assert len(m._buckets) > 5
     assert (m._channel is not None) == (sync == "lazy"), "gloo runs the lazy loss channel unless told not to"
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
     out, early = [], []
@@ -47,7 +50,7 @@ def _pattern(rank, world, alias, pattern, sync):
             if rank == 0:
                 early.append(probe.item())
         loss = m(*inputs)
-        if pattern == "rank0-reads-early" and rank == 0:
+        if pattern.startswith("rank0-reads-early") and rank == 0:
             early.append(loss.item())  # before backward, on one rank only
         if pattern == "late-peer":
             if rank == 0:
@@ -69,19 +72,23 @@ def _pattern(rank, world, alias, pattern, sync):
     [
         ("rank0-reads-early", "lazy"),
         ("rank0-reads-early", "eager"),
+        ("rank0-reads-early, many-buckets", "lazy"),
         ("eval-first", "lazy"),
         ("late-peer", "lazy"),
         ("barrier-between", "lazy"),
     ],
 )
-def test_ranks_that_read_the_loss_at_different_times_agree(pattern, sync):
+def test_ranks_that_read_the_loss_at_different_times_agree(pattern, sync, monkeypatch):
+    if pattern.endswith("many-buckets"):  # buckets launched mid-backward; forked ranks inherit this
+        monkeypatch.setattr(hapc.codegen.module, "BUCKET_BYTES", 2048)
+        monkeypatch.setattr(hapc.codegen.module, "FIRST_BUCKET_BYTES", 2048)
     ref = _reference("gpt")
     results = run_distributed(_pattern, 3, "gpt", pattern, sync, timeout=60)
     for rank, (out, early) in enumerate(results):
         for (loss, grads), (want_loss, want_grads) in zip(out, ref):
             assert_close(loss, want_loss, F64, f"rank {rank} loss")
             assert_close(grads, want_grads, F64, f"rank {rank} grads")
-        if rank == 0 and pattern == "rank0-reads-early":
+        if rank == 0 and pattern.startswith("rank0-reads-early"):
             assert early == pytest.approx([r[0] for r in ref], rel=1e-12)
         if rank == 0 and pattern == "eval-first":  # the probe of step 1 runs on the stepped weights
             assert early == pytest.approx([r[0] for r in ref], rel=1e-12)
@@ -214,7 +221,11 @@ def _twice(rank, world):
     return m.full_gradients()
 
 
-def test_a_second_backward_of_one_forward_accumulates_once():
+@pytest.mark.parametrize("buckets", ["one", "many"])
+def test_a_second_backward_of_one_forward_accumulates_once(buckets, monkeypatch):
+    if buckets == "many":
+        monkeypatch.setattr(hapc.codegen.module, "BUCKET_BYTES", 2048)
+        monkeypatch.setattr(hapc.codegen.module, "FIRST_BUCKET_BYTES", 2048)
     model, inputs = models.load("gpt", dtype=F64)
     loss = model(*inputs)
     loss.backward(retain_graph=True)
