@@ -275,7 +275,9 @@ def compile(
 
         if group is not None or plan is not None:
             raise HapcError("a pipelined compile runs on the whole job and plans itself: drop group= and plan=")
-        return compile_pipeline(model, cluster, example_inputs, num_micro=num_micro, schedule=schedule, **options)
+        return compile_pipeline(
+            model, cluster, example_inputs, num_micro=num_micro, schedule=schedule, timeout=timeout, **options
+        )
     if timeout is not None:
         group = _group_with_timeout(group, timeout)
     world = dist.get_world_size(group)

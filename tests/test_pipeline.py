@@ -344,3 +344,42 @@ def test_a_stage_that_dies_stops_the_pipeline():
     assert set(e.errors) == {0, 2}
     lost = ("closed", "reset", "read error", "remote worker crashing", "timed out")  # how gloo words it
     assert all(any(w in msg.lower() for w in lost) for msg in e.errors.values()), e.errors
+
+
+def _stage_hangs(rank, world, flag_dir):
+    import time
+    from pathlib import Path
+
+    from hapc.pipeline import runtime
+
+    model, inputs = _model("gpt", 8)
+    graph = trace(model, micro_batches(inputs, 4, 8)[0])
+    spec = PipelineSpec(balanced_cuts(graph, [1, 1, 1]), [[0], [1], [2]], [cluster_of([1e10])] * 3, [3, 2, 1], 4)
+    # the job's own timeout is long (60 s); the pipeline's messages give up after 3
+    pm = PipelineModule(model, inputs, spec, timeout=3)
+    forward = runtime._Step.F
+    flags = Path(flag_dir)
+
+    def stuck(step, m):  # the middle stage stops sending after its second forward, alive
+        forward(step, m)
+        if rank == 1 and m == 1:
+            while len(list(flags.iterdir())) < world - 1:
+                time.sleep(0.05)
+            raise SystemExit("resumed after the others gave up")
+
+    runtime._Step.F = stuck
+    try:
+        return pm.train_step(*inputs).item()
+    finally:
+        (flags / str(rank)).touch()
+
+
+def test_a_stage_that_hangs_times_out_its_neighbours(tmp_path):
+    """A stage alive but silent: its neighbours give up after the pipeline's timeout, not the job's."""
+    from hapc.errors import DistributedRunError
+
+    with pytest.raises(DistributedRunError) as err:
+        run_distributed(_stage_hangs, 3, str(tmp_path), timeout=60)
+    e = err.value
+    assert e.hung == [] and e.died == {}
+    assert all("3000ms" in e.errors[r] or "timeout" in e.errors[r].lower() for r in (0, 2)), e.errors

@@ -66,13 +66,16 @@ def compile_pipeline(
     num_micro: int = 8,
     schedule: str = "h1f1b",
     emulate: dict[str, Any] | None = None,
+    timeout: float | None = None,
     **options: Any,
 ) -> PipelineModule:
     """This rank's stage of ``model`` pipelined over ``cluster`` (planned here when not given).
 
     ``example_inputs`` is the global batch; it is split into ``num_micro`` equal micro-batches.
     ``schedule``: ``"h1f1b"`` (the plan's warm-up counts), ``"1f1b"`` or ``"eager-1f1b"``.
-    ``options`` go to each stage's SPMD synthesis (see :func:`hapc.compile`)."""
+    ``timeout``: seconds after which a pipeline message or collective gives up and raises
+    (default: the job's process-group timeout). ``options`` go to each stage's SPMD synthesis
+    (see :func:`hapc.compile`)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -86,7 +89,10 @@ def compile_pipeline(
     inputs = tuple(example_inputs)
     if plan is None:
         plan = _agree(model, cluster, inputs, num_micro)
-    return PipelineModule(model, inputs, spec_from_plan(plan, cluster, schedule), emulate=emulate, **options)
+    if timeout is not None and not timeout > 0:
+        raise HapcError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    spec = spec_from_plan(plan, cluster, schedule)
+    return PipelineModule(model, inputs, spec, emulate=emulate, timeout=timeout, **options)
 
 
 def _agree(model: torch.nn.Module, cluster: Cluster, inputs: tuple, num_micro: int) -> PipelinePlan:

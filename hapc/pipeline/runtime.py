@@ -42,6 +42,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -126,8 +127,11 @@ class PipelineModule(nn.Module):
         device: Any = None,
         seed: int = 0,
         emulate: dict[str, float] | None = None,
+        timeout: float | None = None,
         **options: Any,
     ):
+        """``timeout``: seconds after which a send, receive or collective of the pipeline gives up
+        and raises (default: the job's own process-group timeout)."""
         super().__init__()
         from ..codegen.module import CompiledModule
         from ..theory import derive, trace
@@ -152,8 +156,11 @@ class PipelineModule(nn.Module):
         stages = split_graph(graph, spec.cuts)
         # how the micro-batches' losses make the batch loss; checked on every rank before any work
         self._weighting = loss_weighting(stages[-1].graph)
-        # every rank creates every stage's group, in the same order (torch.distributed requires it)
-        groups = [dist.new_group(rs) for rs in spec.ranks]
+        # every rank creates every stage's group, in the same order (torch.distributed requires it);
+        # with a timeout, the job's messages and broadcasts also go over a group that has it
+        limit = timedelta(seconds=timeout) if timeout is not None else None
+        self.job = dist.new_group(list(range(world)), timeout=limit) if timeout is not None else None
+        groups = [dist.new_group(rs, timeout=limit) for rs in spec.ranks]
         self._stage_of = {r: k for k, rs in enumerate(spec.ranks) for r in rs}
         self.stage = self._stage_of[rank]
         self.sg: StageGraph = stages[self.stage]
@@ -163,7 +170,7 @@ class PipelineModule(nn.Module):
         S = len(spec.ranks)
         theories = [derive(s.graph, **_theory_options(options)) for s in stages]
         if not spec.plans:
-            spec.plans = _agree_on_plans(theories, spec.clusters, options)
+            spec.plans = _agree_on_plans(theories, spec.clusters, options, self.job)
         plan = spec.plans[self.stage]
         keys = set(model.state_dict())
         owned = [{n.target for n in s.graph if n.kind in (PARAM, BUFFER) and n.target in keys} for s in stages]
@@ -236,7 +243,7 @@ class PipelineModule(nn.Module):
         value = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.stage == last:
             value = sum(w * loss.detach().to(torch.float64) for w, loss in zip(weights, losses))
-        dist.broadcast(value, src=self.relay[last])
+        dist.broadcast(value, src=self.relay[last], group=self.job)
         return value
 
     # -- messages -------------------------------------------------------------------------------------
@@ -246,14 +253,14 @@ class PipelineModule(nn.Module):
         when = self._arrival(dst, nbytes) if emulated else 0.0
         stamp = torch.tensor([when], dtype=torch.float64, device=x.device).view(x.dtype)
         msg = torch.cat([x.detach().reshape(-1), stamp])
-        return [dist.isend(msg, dst=dst, tag=tag)], msg
+        return [dist.isend(msg, dst=dst, tag=tag, group=self.job)], msg
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
         """Receive a message (waiting for its emulated arrival, if any)."""
         numel = math.prod(shape)
         extra = torch.empty(1, dtype=torch.float64).view(dtype).numel()  # the stamp, in elements of dtype
         msg = torch.empty(numel + extra, dtype=dtype, device=self.device)
-        dist.recv(msg, src=src, tag=tag)
+        dist.recv(msg, src=src, tag=tag, group=self.job)
         wait = float(msg[numel:].cpu().view(torch.float64)) - time.monotonic()
         if wait > 0:
             time.sleep(wait)
@@ -287,7 +294,7 @@ class PipelineModule(nn.Module):
         for k, relay in enumerate(self.relay):
             mine = local["optimizer"] if k == self.stage else None
             # what stage k holds, as JSON (names, shapes, dtypes, plain values), then its tensors
-            meta = broadcast_json(lambda m=mine: _describe_optimizer(m), src=relay)
+            meta = broadcast_json(lambda m=mine: _describe_optimizer(m), src=relay, group=self.job)
             for name, entries in meta["state"].items():
                 out = state.setdefault(name, {})
                 for key, (kind, value) in entries.items():
@@ -297,7 +304,7 @@ class PipelineModule(nn.Module):
                     shape, dtype = value
                     t = mine["state"][name][key] if mine is not None else torch.empty(shape, dtype=_dtype(dtype))
                     t = t.to(self.device).contiguous()
-                    dist.broadcast(t, src=relay)
+                    dist.broadcast(t, src=relay, group=self.job)
                     out[key] = t.cpu()
             groups = groups or meta["param_groups"]
         return {"model": model, "optimizer": {"state": state, "param_groups": groups}}
@@ -315,7 +322,7 @@ class PipelineModule(nn.Module):
                     continue
                 t = mine[name] if k == self.stage else torch.empty(meta.shape, dtype=meta.dtype)
                 t = t.to(self.device).contiguous()  # NCCL broadcasts device tensors
-                dist.broadcast(t, src=self.relay[k])
+                dist.broadcast(t, src=self.relay[k], group=self.job)
                 out[name] = t.cpu()
         for name, t in mine.items():  # no stage's (an unused buffer): every rank holds the same
             out.setdefault(name, t)
@@ -510,12 +517,14 @@ def _theory_options(options: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _agree_on_plans(theories: list[Any], clusters: list[Cluster], options: dict[str, Any]) -> list[Plan]:
+def _agree_on_plans(theories: list[Any], clusters: list[Cluster], options: dict[str, Any], group: Any) -> list[Plan]:
     """Rank 0 synthesizes every stage's SPMD program; all ranks receive the plans as JSON."""
     from ..api import SYNTH_OPTIONS, synthesize_theory
 
     synth = {k: v for k, v in options.items() if k in SYNTH_OPTIONS}
-    data = broadcast_json(lambda: [synthesize_theory(t, c, **synth).to_json() for t, c in zip(theories, clusters)])
+    data = broadcast_json(
+        lambda: [synthesize_theory(t, c, **synth).to_json() for t, c in zip(theories, clusters)], group=group
+    )
     return [Plan.from_json(p) for p in data]
 
 
