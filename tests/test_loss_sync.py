@@ -262,3 +262,28 @@ def test_ranks_given_different_whole_batches_all_reduce_their_counts():
         assert whole is False, "different batches: counted by all-reduce"
         assert value == pytest.approx(loss.item(), rel=1e-12)
         assert_close(grads, want, F64, "grads")
+
+
+def _probe(rank, world):
+    model, inputs = models.load("gpt", dtype=F64)
+    m = hapc.compile(model, THREE, inputs, plan=None, baseline="dp-cp")
+    loss = m(*inputs)
+    loss.backward(retain_graph=True)
+    torch.autograd.grad(loss, list(m.parameters()))  # a probe (gradient norm): no .grad is touched
+    after_probe = m.full_gradients()
+    m.zero_grad(set_to_none=True)
+    m(*inputs).backward()
+    return after_probe, m.full_gradients()
+
+
+@pytest.mark.parametrize("buckets", ["one", "many"])
+def test_autograd_grad_after_backward_leaves_the_gradients(buckets, monkeypatch):
+    if buckets == "many":
+        monkeypatch.setattr(hapc.codegen.module, "BUCKET_BYTES", 2048)
+        monkeypatch.setattr(hapc.codegen.module, "FIRST_BUCKET_BYTES", 2048)
+    model, inputs = models.load("gpt", dtype=F64)
+    model(*inputs).backward()
+    want = {k: p.grad for k, p in model.named_parameters()}
+    for after_probe, next_step in run_distributed(_probe, 3):
+        assert_close(after_probe, want, F64, "grads after the probe")
+        assert_close(next_step, want, F64, "grads of the next step")

@@ -20,6 +20,7 @@ conversion between the sharded state and an ordinary single-device ``state_dict`
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 from collections.abc import Collection, Iterator
 from typing import Any
@@ -190,20 +191,22 @@ class CompiledModule(nn.Module):
         return [values[r].to(self.device) for r in self._batch_refs]
 
     def _agree_on_whole_batch(self, whole: bool, batch: dict[str, Any]) -> bool:
-        """Whether every rank holds the same whole batch (then each can count it alone)."""
+        """Whether every rank holds the same whole batch (then each can count it alone): one
+        all-reduce of a flag and a hash of the batch's bytes."""
         if self.world == 1:
             return whole
-        fp = [0.0, 0.0]
-        if whole:  # a fingerprint of the batch: its sum and a position-weighted sum
-            for x in batch.values():
-                flat = x.detach().reshape(-1).to(torch.float64)
-                fp[0] += float(flat.sum())
-                fp[1] += float(flat @ torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device))
-        agreed = torch.tensor([float(whole), fp[0], fp[1], -fp[0], -fp[1]], dtype=torch.float64, device=self.device)
+        digest = 0
+        if whole:
+            h = hashlib.blake2b(digest_size=7)  # 56 bits: exact in int64, and so is its negation
+            for name in sorted(batch):
+                x = batch[name].detach().cpu().contiguous()
+                h.update(f"{name}{tuple(x.shape)}{x.dtype}".encode())
+                h.update(x.reshape(-1).view(torch.uint8).numpy().tobytes())
+            digest = int.from_bytes(h.digest(), "little")
+        agreed = torch.tensor([int(whole), digest, -digest], dtype=torch.int64, device=self.device)
         self._flush()
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
-        low, high = agreed[1:3], -agreed[3:5]
-        return bool(agreed[0] == 1) and bool(torch.equal(low, high))
+        return bool(agreed[0] == 1) and int(agreed[1]) == -int(agreed[2])
 
     def train(self, mode: bool = True) -> CompiledModule:
         if mode != self._traced_mode and self._mode_sensitive:
@@ -286,6 +289,7 @@ class CompiledModule(nn.Module):
         self._carry: dict[int, torch.Tensor] = {}
         self._syncing = True  # False inside no_sync()
         self._synced = False  # a sync finished since the last forward (a further backward re-uses its graph)
+        self._restore_queued = False
         self._unsynced = False  # .grad holds Partial contributions not summed yet (no_sync)
         self._stash_handles: list[Any] = []
         self._reset_sync()
@@ -338,6 +342,14 @@ class CompiledModule(nn.Module):
 
         return hook
 
+    def _end_of_backward(self) -> None:
+        # a pass that synced nothing (torch.autograd.grad accumulates no .grad) puts back what the
+        # stash hooks moved aside; a sync still to come does it itself, and under no_sync the
+        # next sync does (the Partial sums must be summed first)
+        self._restore_queued = False
+        if self._syncing and not self._queued:
+            self._restore_gradients()
+
     def _restore_gradients(self) -> None:
         for h in self._stash_handles:
             h.remove()
@@ -372,6 +384,9 @@ class CompiledModule(nn.Module):
         if self._synced:  # a second backward of the same forward (retain_graph): its gradients
             self._prepare_accumulation()  # are summed already and must not be summed again
             self._synced = False
+        if self._stash_handles and not self._restore_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._restore_queued = True
         if not self._output_hook:
             return
         if not self._syncing:
