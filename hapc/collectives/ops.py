@@ -265,7 +265,10 @@ def wait(pending: Pending) -> torch.Tensor:
     if pending.error is not None:
         raise pending.error
     if pending.channel is not None:
-        raise RuntimeError("this loss all-reduce has not been started (hapc.collectives.flush_losses)")
+        raise RuntimeError(
+            "this loss's all-reduce was never started in this process (a loss made before os.fork?): "
+            "read losses in the process that computed them"
+        )
     if pending.work is not None:
         pending.work.wait()
         pending.work = None
