@@ -287,3 +287,24 @@ def test_autograd_grad_after_backward_leaves_the_gradients(buckets, monkeypatch)
     for after_probe, next_step in run_distributed(_probe, 3):
         assert_close(after_probe, want, F64, "grads after the probe")
         assert_close(next_step, want, F64, "grads of the next step")
+
+
+def _drift(rank, world):
+    model, (x, y) = models.load("mlp", dtype=F64)
+    m = hapc.compile(model, THREE, (x, y), plan=None, baseline="dp-cp")
+    first = m(x, y)
+    first.backward()  # the same whole batch everywhere: counted locally
+    _, (xr, yr) = models.load("mlp", dtype=F64, seed=10 + rank)  # then every rank its own batch
+    second = m(xr, yr)
+    with pytest.raises(hapc.HapcError, match="different whole batches"):
+        second.backward()
+    with pytest.raises(hapc.HapcError, match="different whole batches"):
+        second.item()  # every read says so, not only the first
+    return m._whole_batch, first.item()
+
+
+def test_ranks_whose_whole_batches_drift_apart_are_told():
+    model, inputs = models.load("mlp", dtype=F64)
+    want = model(*inputs).item()
+    for whole, first in run_distributed(_drift, 3):
+        assert whole is True and first == pytest.approx(want, rel=1e-12)

@@ -146,7 +146,7 @@ class CompiledModule(nn.Module):
             self._prepare_accumulation()
             self._synced = False
         whole = self._whole_batch_values(bound)
-        with C.deferring(self._channel):
+        with C.deferring(self._channel, self._batch_hash(bound) if any(v is not None for v in whole) else None):
             out = self.program(*[bound[n] for n in names], *whole)
         with torch._C.DisableTorchFunctionSubclass():  # a GlobalLoss must not wait for its value here
             if not out.requires_grad:
@@ -190,19 +190,17 @@ class CompiledModule(nn.Module):
         values = self.theory.graph.evaluate(batch, upto=self._batch_refs)
         return [values[r].to(self.device) for r in self._batch_refs]
 
+    def _batch_hash(self, bound: dict[str, Any]) -> int:
+        """20 bits of the whole batch's hash: checked against the other ranks' in the loss all-reduce
+        (a wrong count would otherwise go unnoticed when ranks load different batches later on)."""
+        return _hash_batch({n.name: bound[n.name] for n in self._batch_inputs}) & (2**20 - 1)
+
     def _agree_on_whole_batch(self, whole: bool, batch: dict[str, Any]) -> bool:
         """Whether every rank holds the same whole batch (then each can count it alone): one
         all-reduce of a flag and a hash of the batch's bytes."""
         if self.world == 1:
             return whole
-        digest = 0
-        if whole:
-            h = hashlib.blake2b(digest_size=7)  # 56 bits: exact in int64, and so is its negation
-            for name in sorted(batch):
-                x = batch[name].detach().cpu().contiguous()
-                h.update(f"{name}{tuple(x.shape)}{x.dtype}".encode())
-                h.update(x.reshape(-1).view(torch.uint8).numpy().tobytes())
-            digest = int.from_bytes(h.digest(), "little")
+        digest = _hash_batch(batch) if whole else 0
         agreed = torch.tensor([int(whole), digest, -digest], dtype=torch.int64, device=self.device)
         self._flush()
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
@@ -555,6 +553,17 @@ _SILENT_BACKWARD = {C.take_shard, C.take_whole, C.all_reduce_start, C.wait, C.gl
 def _communicates(node: Any) -> bool:
     target = node.target if node.op == "call_function" else None
     return getattr(target, "__module__", "").startswith("hapc.collectives") and target not in _SILENT_BACKWARD
+
+
+def _hash_batch(batch: dict[str, torch.Tensor]) -> int:
+    """56 bits of a blake2b hash of the tensors' names, shapes, dtypes and bytes (exact in int64,
+    and so is its negation)."""
+    h = hashlib.blake2b(digest_size=7)
+    for name in sorted(batch):
+        x = batch[name].detach().cpu().contiguous()
+        h.update(f"{name}{tuple(x.shape)}{x.dtype}".encode())
+        h.update(x.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no copy
+    return int.from_bytes(h.digest(), "little")
 
 
 def _signature(model: nn.Module) -> inspect.Signature | None:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..balance.rounding import bounds
+from ..errors import HapcError
 from .pack import pack, unpack
 
 Group = dist.ProcessGroup | None
@@ -240,11 +241,12 @@ class Pending:
     """A collective in flight (:func:`all_reduce_start`), or a loss all-reduce its
     :class:`LossChannel` has not started yet; :func:`wait` yields its result."""
 
-    __slots__ = ("channel", "error", "tensor", "work")
+    __slots__ = ("channel", "error", "tensor", "work", "world")
 
     def __init__(self, tensor: torch.Tensor, work: dist.Work | None, channel: LossChannel | None = None):
         self.tensor, self.work, self.channel = tensor, work, channel
         self.error: Exception | None = None
+        self.world = 0  # > 0: the tensor is [loss, hash, hash^2] over that many ranks
 
 
 def all_reduce_start(x: torch.Tensor, group: Group = None, known: torch.Tensor | None = None) -> Pending:
@@ -283,9 +285,9 @@ def global_value(partial: torch.Tensor, group: Group = None) -> torch.Tensor:
     here -- unless the caller runs the program inside :func:`deferring` (``CompiledModule`` on
     gloo does), which hands it to a :class:`LossChannel` that starts it later, when it is cheapest."""
     stack = _LOCAL.__dict__.get("stack")
-    channel = stack[-1] if stack else None
+    channel, batch_hash = stack[-1] if stack else (None, None)
     if channel is not None and channel.group is group:
-        return channel.defer(partial)
+        return channel.defer(partial, batch_hash)
     total = partial.detach().clone()
     return _global_loss(partial, Pending(total, dist.all_reduce(total, group=group, async_op=True)))
 
@@ -323,8 +325,13 @@ class LossChannel:
     def __init__(self, group: Group):
         self.group = group
 
-    def defer(self, partial: torch.Tensor) -> GlobalLoss:
-        pending = Pending(partial.detach().clone(), None, self)
+    def defer(self, partial: torch.Tensor, batch_hash: int | None = None) -> GlobalLoss:
+        value = partial.detach().clone()
+        if batch_hash is not None:  # [loss, h, h^2] summed: equal hashes iff world * sum(h^2) == sum(h)^2
+            h = float(batch_hash)
+            value = torch.tensor([float(value), h, h * h], dtype=torch.float64, device=value.device)
+        pending = Pending(value, None, self)
+        pending.world = dist.get_world_size(self.group) if batch_hash is not None else 0
         with _QUEUE.cond:
             _QUEUE.waiting.append((time.monotonic() + DEADLINE_S, pending))
             _QUEUE.start_thread()
@@ -394,10 +401,12 @@ _LOCAL = threading.local()  # per thread: the channels of the programs running (
 
 
 @contextlib.contextmanager
-def deferring(channel: LossChannel | None) -> Iterator[None]:
-    """Inside, :func:`global_value` on ``channel.group`` defers its all-reduce to ``channel``."""
+def deferring(channel: LossChannel | None, batch_hash: int | None = None) -> Iterator[None]:
+    """Inside, :func:`global_value` on ``channel.group`` defers its all-reduce to ``channel``.
+    ``batch_hash`` (< 2**20): a hash of the batch every rank must hold alike; it rides in the
+    loss all-reduce and reading the loss raises if the ranks' hashes differ."""
     stack = _LOCAL.__dict__.setdefault("stack", [])
-    stack.append(channel)
+    stack.append((channel, batch_hash))
     try:
         yield
     finally:
@@ -428,6 +437,15 @@ class GlobalLoss(torch.Tensor):
         if pending.channel is not None:  # deferred and not started yet: start it (and older ones)
             flush_losses()
         value = wait(pending)  # raises if it failed; the loss stays pending, so every read raises
+        if pending.world:
+            h, h2 = float(value[1]), float(value[2])
+            if pending.world * h2 != h * h:
+                raise HapcError(
+                    "the ranks were given different whole batches in this step: each counted the tokens of its "
+                    "own batch, so the loss and its gradients are not those of any one batch. Give every rank the "
+                    "same global batch on every call, or compile again and pass each rank its share of the batch"
+                )
+            value = value[0]
         with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
             self.copy_(value)
         del self.__dict__["_hapc_pending"]
