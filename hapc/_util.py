@@ -57,3 +57,23 @@ def broadcast_json(make: Callable[[], Any], *, group: Any = None, device: Any = 
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.broadcast(data, src=root, group=group)
     return json.loads(data.cpu().numpy().tobytes().decode())
+
+
+def same_ranks_group(group: Any = None, timeout_s: float | None = None) -> Any:
+    """A new process group of ``group``'s ranks, in the same order and with its backend; its
+    operations time out after ``timeout_s`` seconds (default: ``group``'s own timeout). Only its
+    members call this (local synchronisation)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    if timeout_s is not None:
+        timeout = timedelta(seconds=timeout_s)
+    else:
+        try:
+            timeout = (group or dist.group.WORLD)._get_backend(torch.device("cpu")).options._timeout
+        except (AttributeError, RuntimeError):  # not a gloo group: the backend's default
+            timeout = None
+    return dist.new_group(ranks, timeout=timeout, backend=dist.get_backend(group), use_local_synchronization=True)

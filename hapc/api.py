@@ -303,17 +303,12 @@ def compile(
 
 def _group_with_timeout(group: Any, seconds: float) -> Any:
     """The same ranks as ``group`` in a new process group whose operations time out after
-    ``seconds`` (only its members call this: local synchronisation)."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
+    ``seconds``."""
+    from ._util import same_ranks_group
 
     if not seconds > 0:
         raise HapcError(f"timeout must be a positive number of seconds, got {seconds!r}")
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    return dist.new_group(
-        ranks, timeout=timedelta(seconds=seconds), backend=dist.get_backend(group), use_local_synchronization=True
-    )
+    return same_ranks_group(group, seconds)
 
 
 def _has_slow_links(cluster: Cluster) -> bool:

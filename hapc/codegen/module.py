@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import collectives as C
+from .._util import same_ranks_group
 from ..checkpoint import load_param_groups
 from ..collectives.ops import gather_impl
 from ..errors import HapcError
@@ -76,7 +77,7 @@ class CompiledModule(nn.Module):
         plan.check(world_size=self.world, where="the plan")
         lazy = loss_sync == "lazy" and self.world > 1 and dist.get_backend(group) == "gloo"
         if lazy:  # a group of its own: nothing of the user's can come between a deferred loss and its peers
-            group = own_group(group)
+            group = same_ranks_group(group)
         self.group = group
         self.rank = dist.get_rank(group)
         self._channel = C.LossChannel(group) if lazy else None
@@ -145,8 +146,8 @@ class CompiledModule(nn.Module):
         if self.world > 1 and torch.is_grad_enabled():
             self._prepare_accumulation()
             self._synced = False
-        whole = self._whole_batch_values(bound)
-        with C.deferring(self._channel, self._batch_hash(bound) if any(v is not None for v in whole) else None):
+        whole, batch_hash = self._whole_batch_values(bound)
+        with C.deferring(self._channel, batch_hash):
             out = self.program(*[bound[n] for n in names], *whole)
         with torch._C.DisableTorchFunctionSubclass():  # a GlobalLoss must not wait for its value here
             if not out.requires_grad:
@@ -163,14 +164,15 @@ class CompiledModule(nn.Module):
         before any other collective of this module, so every rank starts them in the same order."""
         C.flush_losses()
 
-    def _whole_batch_values(self, bound: dict[str, Any]) -> list[torch.Tensor | None]:
+    def _whole_batch_values(self, bound: dict[str, Any]) -> tuple[list[torch.Tensor | None], int | None]:
         """The program's optional whole-batch arguments: the values of its data-only all-reduces
         (token counts of a mean loss), computed here from the inputs when every rank was given
         the same whole batch -- the single-device value, no communication -- else ``None`` (the
         program all-reduces its share). Whether they are is agreed on the first call (one
-        all-reduce, which also compares the batches); it must hold on every later call."""
+        all-reduce, which also compares the batches); it must hold on every later call, so the
+        batch's hash (20 bits) goes along to be compared in the loss all-reduce."""
         if not self._batch_refs:
-            return []
+            return [], None
         batch = {n.name: bound[n.name] for n in self._batch_inputs}
         shapes = {n.name: tuple(getattr(bound[n.name], "shape", ())) for n in self._batch_inputs}
         whole = all(
@@ -179,7 +181,7 @@ class CompiledModule(nn.Module):
         if self._whole_batch is None:
             self._whole_batch = self._agree_on_whole_batch(whole, batch)
         if not self._whole_batch:
-            return [None] * len(self._batch_refs)
+            return [None] * len(self._batch_refs), None
         if not whole:
             n = next(n for n in self._batch_inputs if shapes[n.name] != tuple(n.shape))
             raise HapcError(
@@ -188,12 +190,8 @@ class CompiledModule(nn.Module):
                 "the whole batch on every call, or compile again and pass each rank its share from the first call on"
             )
         values = self.theory.graph.evaluate(batch, upto=self._batch_refs)
-        return [values[r].to(self.device) for r in self._batch_refs]
-
-    def _batch_hash(self, bound: dict[str, Any]) -> int:
-        """20 bits of the whole batch's hash: checked against the other ranks' in the loss all-reduce
-        (a wrong count would otherwise go unnoticed when ranks load different batches later on)."""
-        return _hash_batch({n.name: bound[n.name] for n in self._batch_inputs}) & (2**20 - 1)
+        checked = _hash_batch(batch) & (2**20 - 1) if self._channel is not None else None  # eager: no check
+        return [values[r].to(self.device) for r in self._batch_refs], checked
 
     def _agree_on_whole_batch(self, whole: bool, batch: dict[str, Any]) -> bool:
         """Whether every rank holds the same whole batch (then each can count it alone): one
@@ -611,18 +609,6 @@ def _check_inputs(inputs: list[Any], sharded: dict[int, set[int]], bound: dict[s
                 f"input {n.name!r} is {x.dtype} but the plan was synthesized for {want}; cast it "
                 f"(x.to({want})) or synthesize and compile again for that dtype"
             )
-
-
-def own_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """A new process group of ``group``'s ranks, in the same order, with its backend and timeout
-    (only its members call this: local synchronisation)."""
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    backend = dist.get_backend(group)
-    try:
-        timeout = (group or dist.group.WORLD)._get_backend(torch.device("cpu")).options._timeout
-    except (AttributeError, RuntimeError):
-        timeout = None
-    return dist.new_group(ranks, timeout=timeout, backend=backend, use_local_synchronization=True)
 
 
 def _default_device(group: dist.ProcessGroup | None) -> torch.device:

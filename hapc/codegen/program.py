@@ -104,6 +104,7 @@ class RankProgram:
         self.grad_complete: set[int] = set()
         # optional trailing arguments: name -> data-only node whose whole-batch value they carry
         self.batch_values: dict[str, int] = {}
+        self._batch_args: dict[str, fx.Node] = {}
         self._group: fx.Node | None = None
         self._device: fx.Node | None = None
         self._calls: dict[Any, fx.Node] = {}
@@ -130,11 +131,11 @@ class RankProgram:
         if INPUT not in kinds or PARAM in kinds or BUFFER in kinds:
             return None
         name = f"{node.name}_global"
-        if name not in self.batch_values:
+        if name not in self._batch_args:
             with self.graph.inserting_after(self._last_placeholder()):
-                self.graph.placeholder(name, default_value=None)
+                self._batch_args[name] = self.graph.placeholder(name, default_value=None)
             self.batch_values[name] = node.index
-        return next(n for n in self.graph.nodes if n.op == "placeholder" and n.target == name)
+        return self._batch_args[name]
 
     def _last_placeholder(self) -> fx.Node | None:
         last = None

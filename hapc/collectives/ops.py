@@ -337,10 +337,6 @@ class LossChannel:
             _QUEUE.start_thread()
         return _global_loss(partial, pending)
 
-    def flush(self) -> None:
-        """Start every waiting loss all-reduce (all modules'), oldest first."""
-        flush_losses()
-
 
 DEADLINE_S = 0.05
 
