@@ -66,6 +66,23 @@ def single_device(alias: str, mkw: dict, steps: int, opt: str) -> dict[str, Any]
     }
 
 
+def small_buckets(monkeypatch: Any, nbytes: int = 2048) -> None:
+    """Gradient buckets of ``nbytes`` (a test model then has many, launched mid-backward); ranks
+    forked afterwards inherit the patch."""
+    import hapc.codegen.module
+
+    monkeypatch.setattr(hapc.codegen.module, "BUCKET_BYTES", nbytes)
+    monkeypatch.setattr(hapc.codegen.module, "FIRST_BUCKET_BYTES", nbytes)
+
+
+def one_device_grads(alias: str, **mkw: Any) -> tuple[float, dict[str, torch.Tensor]]:
+    """The loss and every parameter's gradient of one forward and backward on one device."""
+    model, inputs = models.load(alias, **mkw)
+    loss = model(*inputs)
+    loss.backward()
+    return loss.item(), {k: p.grad for k, p in model.named_parameters()}
+
+
 def assert_close(got: Any, want: Any, dtype: torch.dtype, what: str) -> None:
     rtol, atol = TOL[dtype]
     if isinstance(want, dict):

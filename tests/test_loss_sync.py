@@ -9,10 +9,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from harness import assert_close
+from harness import assert_close, one_device_grads, small_buckets
 
 import hapc
-import hapc.codegen.module
 import models
 from hapc.testing import cluster_of, run_distributed
 
@@ -79,9 +78,8 @@ def _pattern(rank, world, alias, pattern, sync):
     ],
 )
 def test_ranks_that_read_the_loss_at_different_times_agree(pattern, sync, monkeypatch):
-    if pattern.endswith("many-buckets"):  # buckets launched mid-backward; forked ranks inherit this
-        monkeypatch.setattr(hapc.codegen.module, "BUCKET_BYTES", 2048)
-        monkeypatch.setattr(hapc.codegen.module, "FIRST_BUCKET_BYTES", 2048)
+    if pattern.endswith("many-buckets"):  # buckets launched mid-backward
+        small_buckets(monkeypatch)
     ref = _reference("gpt")
     results = run_distributed(_pattern, 3, "gpt", pattern, sync, timeout=60)
     for rank, (out, early) in enumerate(results):
@@ -140,13 +138,10 @@ def _mixed(rank, world):
 
 
 def test_ranks_given_different_kinds_of_batch_agree_to_all_reduce_counts():
-    model, inputs = models.load("mlp", dtype=F64)
-    loss = model(*inputs)
-    loss.backward()
-    want = {k: p.grad for k, p in model.named_parameters()}
+    ref_loss, want = one_device_grads("mlp", dtype=F64)
     for value, whole, grads in run_distributed(_mixed, 3):
         assert whole is False
-        assert value == pytest.approx(loss.item(), rel=1e-12)
+        assert value == pytest.approx(ref_loss, rel=1e-12)
         assert_close(grads, want, F64, "grads")
 
 
@@ -177,13 +172,10 @@ def _tensor_parallel_early_read(rank, world):
 
 
 def test_a_backward_that_communicates_starts_the_loss_all_reduce_first():
-    model, inputs = models.load("gpt", dtype=F64)
-    loss = model(*inputs)
-    loss.backward()
-    want = {k: p.grad for k, p in model.named_parameters()}
+    ref_loss, want = one_device_grads("gpt", dtype=F64)
     for communicates, value, grads in run_distributed(_tensor_parallel_early_read, 3):
         assert communicates, "on a slow link the plan shards weights: its backward communicates"
-        assert value == pytest.approx(loss.item(), rel=1e-12)
+        assert value == pytest.approx(ref_loss, rel=1e-12)
         assert_close(grads, want, F64, "grads")
 
 
@@ -202,12 +194,9 @@ def _two_modules(rank, world):
 
 
 def test_a_loss_read_early_does_not_wait_on_another_module():
-    model, inputs = models.load("gpt", dtype=F64)
-    loss = model(*inputs)
-    loss.backward()
-    want = {k: p.grad for k, p in model.named_parameters()}
+    ref_loss, want = one_device_grads("gpt", dtype=F64)
     for la, lb, ga, gb in run_distributed(_two_modules, 3, timeout=60):
-        assert la == pytest.approx(loss.item(), rel=1e-12) and lb == pytest.approx(loss.item(), rel=1e-12)
+        assert la == pytest.approx(ref_loss, rel=1e-12) and lb == pytest.approx(ref_loss, rel=1e-12)
         assert_close(ga, want, F64, "module A grads")
         assert_close(gb, want, F64, "module B grads")
 
@@ -224,8 +213,7 @@ def _twice(rank, world):
 @pytest.mark.parametrize("buckets", ["one", "many"])
 def test_a_second_backward_of_one_forward_accumulates_once(buckets, monkeypatch):
     if buckets == "many":
-        monkeypatch.setattr(hapc.codegen.module, "BUCKET_BYTES", 2048)
-        monkeypatch.setattr(hapc.codegen.module, "FIRST_BUCKET_BYTES", 2048)
+        small_buckets(monkeypatch)
     model, inputs = models.load("gpt", dtype=F64)
     loss = model(*inputs)
     loss.backward(retain_graph=True)
@@ -279,11 +267,8 @@ def _probe(rank, world):
 @pytest.mark.parametrize("buckets", ["one", "many"])
 def test_autograd_grad_after_backward_leaves_the_gradients(buckets, monkeypatch):
     if buckets == "many":
-        monkeypatch.setattr(hapc.codegen.module, "BUCKET_BYTES", 2048)
-        monkeypatch.setattr(hapc.codegen.module, "FIRST_BUCKET_BYTES", 2048)
-    model, inputs = models.load("gpt", dtype=F64)
-    model(*inputs).backward()
-    want = {k: p.grad for k, p in model.named_parameters()}
+        small_buckets(monkeypatch)
+    _, want = one_device_grads("gpt", dtype=F64)
     for after_probe, next_step in run_distributed(_probe, 3):
         assert_close(after_probe, want, F64, "grads after the probe")
         assert_close(next_step, want, F64, "grads of the next step")

@@ -8,10 +8,9 @@ import re
 
 import pytest
 import torch
-from harness import assert_close, make_optimizer
+from harness import assert_close, make_optimizer, small_buckets
 
 import hapc
-import hapc.codegen.module
 import hapc.collectives
 import models
 from hapc.codegen.emit import emit_code, load_rank_module, rank_source
@@ -224,9 +223,8 @@ def test_gradient_accumulation_over_backward_passes(how, no_sync, buckets, monke
     ``no_sync``); accumulating must still sum each contribution once, whether gradients were
     dropped, zeroed in place (then they live in the sync buckets) or kept from the last step --
     with one bucket (synced when the backward ends) or many (each sent as soon as it is full)."""
-    if buckets == "many":  # 2 KiB buckets: ~20 for this model; the forked ranks inherit the patch
-        monkeypatch.setattr(hapc.codegen.module, "BUCKET_BYTES", 2048)
-        monkeypatch.setattr(hapc.codegen.module, "FIRST_BUCKET_BYTES", 2048)
+    if buckets == "many":  # 2 KiB buckets: ~20 for this model
+        small_buckets(monkeypatch)
     cluster = cluster_of([5e9, 3e9, 2e9])
     plan = _plan("gpt", cluster, baseline="dp-cp")
     got = run_distributed(_accumulate, 3, cluster, plan, 3, how, no_sync)
