@@ -269,15 +269,20 @@ def compile(
             "hapc.compile runs inside a distributed job: start it with torchrun (or call "
             "torch.distributed.init_process_group first); for planning alone use hapc.synthesize"
         )
+    from .codegen.original import ensure_fresh, guard
+
+    ensure_fresh(model)  # a model an earlier module trained past would start this one from stale weights
     cluster = Cluster.load(cluster) if not isinstance(cluster, Cluster) else cluster
     if pipeline or (pipeline is None and plan is None and _has_slow_links(cluster)):
         from .pipeline import compile_pipeline
 
         if group is not None or plan is not None:
             raise HapcError("a pipelined compile runs on the whole job and plans itself: drop group= and plan=")
-        return compile_pipeline(
+        piped = compile_pipeline(
             model, cluster, example_inputs, num_micro=num_micro, schedule=schedule, timeout=timeout, **options
         )
+        guard(model, piped)  # the model raises while stale: piped.unwrap() writes the trained weights back
+        return piped
     if timeout is not None:
         group = _group_with_timeout(group, timeout)
     world = dist.get_world_size(group)
@@ -298,7 +303,9 @@ def compile(
     if plan is None:
         plan = _agree_on_plan(theory, cluster, group, options, theory_opts)
     plan.check(graph=graph, cluster=cluster, world_size=world)
-    return CompiledModule(model, theory, plan, group=group, device=device, seed=seed, init=init, loss_sync=loss_sync)
+    module = CompiledModule(model, theory, plan, group=group, device=device, seed=seed, init=init, loss_sync=loss_sync)
+    guard(model, module)  # the model raises while stale: module.unwrap() writes the trained weights back
+    return module
 
 
 def _group_with_timeout(group: Any, seconds: float) -> Any:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
+from collections import OrderedDict
 from collections.abc import Collection, Iterator
 from typing import Any
 
@@ -36,7 +37,7 @@ from ..collectives.ops import gather_impl
 from ..errors import HapcError
 from ..materialize import Init, module_values, owner
 from ..plan import Plan
-from ..theory.graph import PARAM
+from ..theory.graph import INPUT, PARAM
 from ..theory.instructions import Source
 from ..theory.props import Layout
 from ..theory.triples import Theory
@@ -127,6 +128,11 @@ class CompiledModule(nn.Module):
         need = set().union(*(theory.graph.ancestors(r) for r in self._batch_refs))
         self._batch_inputs = [n for n in theory.graph.inputs if n.index in need]
         self._whole_batch: bool | None = None
+        # inputs the plan takes whole: every rank must be given the same value (checked every step
+        # in the loss all-reduce on gloo; on the first call on the eager path); not a pipeline
+        # stage's (its activations arrive by the schedule, its model inputs are checked nowhere yet)
+        self._whole_inputs = [] if elsewhere else _whole_inputs(theory, plan)
+        self._inputs_compared = False
         targets = self._targets()
         self._unused = {
             k: values(k, v).cpu().clone() for k, v in full.items() if k not in targets and k not in elsewhere
@@ -146,9 +152,13 @@ class CompiledModule(nn.Module):
         if self.world > 1 and torch.is_grad_enabled():
             self._prepare_accumulation()
             self._synced = False
-        whole, batch_hash = self._whole_batch_values(bound)
-        with C.deferring(self._channel, batch_hash):
+        whole, checks = self._whole_batch_values(bound)
+        checks += self._whole_input_checks(bound)
+        with C.deferring(self._channel, checks):
             out = self.program(*[bound[n] for n in names], *whole)
+        if checks and not isinstance(out, C.GlobalLoss) and isinstance(out, torch.Tensor) and out.dim() == 0:
+            # a Replicated loss is not all-reduced: the checks travel alone, in the same deferred way
+            out = self._channel.defer(out, checks, replicated=True)
         with torch._C.DisableTorchFunctionSubclass():  # a GlobalLoss must not wait for its value here
             if not out.requires_grad:
                 self._flush()  # no backward will start its all-reduce
@@ -164,7 +174,7 @@ class CompiledModule(nn.Module):
         before any other collective of this module, so every rank starts them in the same order."""
         C.flush_losses()
 
-    def _whole_batch_values(self, bound: dict[str, Any]) -> tuple[list[torch.Tensor | None], int | None]:
+    def _whole_batch_values(self, bound: dict[str, Any]) -> tuple[list[torch.Tensor | None], list[tuple[int, str]]]:
         """The program's optional whole-batch arguments: the values of its data-only all-reduces
         (token counts of a mean loss), computed here from the inputs when every rank was given
         the same whole batch -- the single-device value, no communication -- else ``None`` (the
@@ -172,7 +182,7 @@ class CompiledModule(nn.Module):
         all-reduce, which also compares the batches); it must hold on every later call, so the
         batch's hash (20 bits) goes along to be compared in the loss all-reduce."""
         if not self._batch_refs:
-            return [], None
+            return [], []
         batch = {n.name: bound[n.name] for n in self._batch_inputs}
         shapes = {n.name: tuple(getattr(bound[n.name], "shape", ())) for n in self._batch_inputs}
         whole = all(
@@ -181,7 +191,7 @@ class CompiledModule(nn.Module):
         if self._whole_batch is None:
             self._whole_batch = self._agree_on_whole_batch(whole, batch)
         if not self._whole_batch:
-            return [None] * len(self._batch_refs), None
+            return [None] * len(self._batch_refs), []
         if not whole:
             n = next(n for n in self._batch_inputs if shapes[n.name] != tuple(n.shape))
             raise HapcError(
@@ -190,8 +200,34 @@ class CompiledModule(nn.Module):
                 "the whole batch on every call, or compile again and pass each rank its share from the first call on"
             )
         values = self.theory.graph.evaluate(batch, upto=self._batch_refs)
-        checked = _hash_batch(batch) & (2**20 - 1) if self._channel is not None else None  # eager: no check
-        return [values[r].to(self.device) for r in self._batch_refs], checked
+        checks = [(_hash_batch(batch) & (2**20 - 1), _DIFFERENT_BATCHES)] if self._channel is not None else []
+        return [values[r].to(self.device) for r in self._batch_refs], checks  # eager: no check
+
+    def _whole_input_checks(self, bound: dict[str, Any]) -> list[tuple[int, str]]:
+        """``(hash, error)`` of each input the plan takes whole. Ranks given different values of one
+        (per-rank random masking of targets, a rank's own batch) would each compute with their own,
+        and the loss and gradients would mix them without any error: on gloo the hashes (20 bits)
+        ride in the loss all-reduce every step and every read of the loss raises; on the eager path
+        (NCCL, ``loss_sync="eager"``) they are compared once, on the first call, by an all-reduce."""
+        if self.world == 1 or not self._whole_inputs:
+            return []
+        if self._channel is None and self._inputs_compared:
+            return []
+        hashes = [
+            (_hash_batch({name: bound[name]}), message)
+            for name, message in self._whole_inputs
+            if isinstance(bound[name], torch.Tensor)
+        ]
+        if self._channel is not None:
+            return [(h & (2**20 - 1), message) for h, message in hashes]
+        self._inputs_compared = True
+        digests = torch.tensor([h for h, _ in hashes] + [-h for h, _ in hashes], dtype=torch.int64, device=self.device)
+        self._flush()
+        dist.all_reduce(digests, op=dist.ReduceOp.MIN, group=self.group)
+        for i, (_, message) in enumerate(hashes):
+            if int(digests[i]) != -int(digests[len(hashes) + i]):
+                raise HapcError(message)  # the same minima on every rank: the same error everywhere
+        return []
 
     def _agree_on_whole_batch(self, whole: bool, batch: dict[str, Any]) -> bool:
         """Whether every rank holds the same whole batch (then each can count it alone): one
@@ -232,12 +268,13 @@ class CompiledModule(nn.Module):
         start = sum(sizes[: self.rank])
         return full.narrow(lay.dim, start, sizes[self.rank])
 
-    def _gather(self, local: torch.Tensor, ref: int, lay: Layout) -> torch.Tensor:
-        """The whole tensor from every rank's shard: a new tensor, never a view of ``local``."""
+    def _gather(self, local: torch.Tensor, ref: int, lay: Layout, group: Any = None) -> torch.Tensor:
+        """The whole tensor from every rank's shard (over ``group``, default the module's): a new
+        tensor, never a view of ``local``."""
         if not lay.is_sharded:
             return local.detach().clone()
         sizes = self.theory.local_sizes(ref, lay.dim, self.plan.device_ratios)
-        return gather_impl(local.detach().contiguous(), lay.dim, sizes, self.group, "padded")
+        return gather_impl(local.detach().contiguous(), lay.dim, sizes, group or self.group, "padded")
 
     def _targets(self) -> dict[str, str]:
         """state_dict key -> local attribute (one per parameter / buffer, first layout wins)."""
@@ -453,18 +490,66 @@ class CompiledModule(nn.Module):
             out[key] = self._gather(grad, ref, lay).cpu()
         return out
 
+    # -- state_dict as tools expect it ------------------------------------------------------------------
+    def state_dict(  # type: ignore[override]
+        self, *, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        """The single-device ``state_dict``, keys as in the user's model: whole tensors (CPU copies)
+        gathered from the shards, so ``torch.save`` on rank 0 then ``model.load_state_dict`` gives the
+        trained model, and ``torch.distributed.checkpoint`` saves and loads it under any plan and
+        world size (DCP sees the same whole tensor on every rank and writes it once). Every rank
+        must call it when the plan shards a parameter (a gather, as FSDP's full state dict; on a
+        process group of its own, so a rank calling it alone waits and times out instead of pairing
+        with its peers' training collectives); under a plan that shards nothing it is local.
+        Memory: one whole copy of the model per rank, briefly. ``keep_vars`` is ignored (copies)."""
+        out: dict[str, Any] = destination if destination is not None else OrderedDict()
+        group = self._state_group() if any(lay.is_sharded for _, lay in self._layouts.values()) else None
+        for key, value in self._model_state(group).items():
+            out[prefix + key] = value
+        return out
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load a single-device ``state_dict`` (keys as in the user's model; from ``state_dict()``,
+        ``model.state_dict()``, ``full_state_dict()`` or a DCP load into ``state_dict()``): each
+        rank copies its slices. ``assign`` is ignored (the shards stay the module's tensors)."""
+        expected = set(self._state_keys)
+        missing = [k for k in self._state_keys if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected]
+        targets = self._targets()
+        errors = [f"missing key(s) {missing[:5]}"] if strict and missing else []
+        errors += [f"unexpected key(s) {unexpected[:5]}"] if strict and unexpected else []
+        for key, attr in targets.items():
+            want = tuple(self.theory.graph[self._layouts[attr][0]].shape)
+            if key in state_dict and tuple(state_dict[key].shape) != want:
+                errors.append(f"{key!r} has shape {tuple(state_dict[key].shape)}, the model's is {want}")
+        if errors:
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for CompiledModule: {'; '.join(errors)} (keys and shapes are the "
+                "single-device model's, as module.state_dict() and model.state_dict() give them)"
+            )
+        self.load_full_state_dict({k: v for k, v in state_dict.items() if k in expected}, partial=True)
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def _state_group(self) -> Any:
+        if self.__dict__.get("_gather_group") is None:
+            self.__dict__["_gather_group"] = same_ranks_group(self.group)
+        return self.__dict__["_gather_group"]
+
+    def unwrap(self) -> nn.Module:
+        """Write the trained weights (and buffers) into the model this module was compiled from and
+        return it: every rank must call it (it gathers the shards), every rank's model is then the
+        single-device model. Until then, and again once this module trains on, using that model
+        (a forward, ``state_dict()``, ``hapc.compile``) raises a ``HapcError`` instead of silently
+        giving its initial weights (:mod:`hapc.codegen.original`)."""
+        from .original import write_back
+
+        return write_back(self, self.full_state_dict())
+
     # -- checkpoints ----------------------------------------------------------------------------------
     def full_state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
         """The single-device ``state_dict`` (all ranks must call; every rank gets it). With an
         optimizer: ``{"model": ..., "optimizer": {"state": {name: {...}}, "param_groups": [...]}}``."""
-        self._flush()
-        gathered: dict[str, torch.Tensor] = {}
-        for key, attr in self._targets().items():
-            ref, lay = self._layouts[attr]
-            gathered[key] = self._gather(self._tensor(attr), ref, lay).detach().cpu()
-        model = {}
-        for key in self._state_keys:  # trace-time constants are not part of the user's state
-            model[key] = gathered[key] if key in gathered else self._unused[key].clone()
+        model = self._model_state(self.group)
         if optimizer is None:
             return model
         state: dict[str, dict[str, Any]] = {}
@@ -478,6 +563,18 @@ class CompiledModule(nn.Module):
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
         return {"model": model, "optimizer": {"state": state, "param_groups": groups}}
 
+    def _model_state(self, group: Any) -> dict[str, torch.Tensor]:
+        """The single-device model state, gathered over ``group`` (``None``: nothing is sharded)."""
+        self._flush()
+        gathered: dict[str, torch.Tensor] = {}
+        for key, attr in self._targets().items():
+            ref, lay = self._layouts[attr]
+            gathered[key] = self._gather(self._tensor(attr), ref, lay, group).detach().cpu()
+        model = {}
+        for key in self._state_keys:  # trace-time constants are not part of the user's state
+            model[key] = gathered[key] if key in gathered else self._unused[key].clone()
+        return model
+
     def _gather_state(self, value: Any, p: torch.Tensor, ref: int, lay: Layout) -> Any:
         """One optimizer-state entry, whole: moments shaped like the shard are gathered like it."""
         if not torch.is_tensor(value):
@@ -486,12 +583,15 @@ class CompiledModule(nn.Module):
             return self._gather(value, ref, lay).cpu()
         return value.detach().cpu().clone()
 
-    def load_full_state_dict(self, state: dict[str, Any], optimizer: torch.optim.Optimizer | None = None) -> None:
+    def load_full_state_dict(
+        self, state: dict[str, Any], optimizer: torch.optim.Optimizer | None = None, *, partial: bool = False
+    ) -> None:
         """Load a single-device ``state_dict`` (or ``{"model", "optimizer"}`` from
-        :meth:`full_state_dict`), slicing this rank's shards."""
+        :meth:`full_state_dict`), slicing this rank's shards (``partial``: keys it lacks keep their values)."""
         model_sd = state["model"] if "model" in state and isinstance(state["model"], dict) else state
         missing = [k for k in self._targets() if k not in model_sd and k in self._state_keys]
-        if missing:
+        self.__dict__["_state_epoch"] = self.__dict__.get("_state_epoch", 0) + 1  # the original model is stale
+        if missing and not partial:
             raise KeyError(f"state dict lacks {missing[:5]}{'...' if len(missing) > 5 else ''}")
         with torch.no_grad():
             for key, attr in self._targets().items():
@@ -551,6 +651,32 @@ _SILENT_BACKWARD = {C.take_shard, C.take_whole, C.all_reduce_start, C.wait, C.gl
 def _communicates(node: Any) -> bool:
     target = node.target if node.op == "call_function" else None
     return getattr(target, "__module__", "").startswith("hapc.collectives") and target not in _SILENT_BACKWARD
+
+
+_DIFFERENT_BATCHES = (
+    "the ranks were given different whole batches in this step: each counted the tokens of its "
+    "own batch, so the loss and its gradients are not those of any one batch. Give every rank the "
+    "same global batch on every call, or compile again and pass each rank its share of the batch"
+)
+
+
+def _whole_inputs(theory: Theory, plan: Plan) -> list[tuple[str, str]]:
+    """``(name, error)`` of each model input the plan sources whole (replicated) somewhere."""
+    names: list[str] = []
+    for ins in plan.instructions:
+        node = theory.graph[ins.ref] if isinstance(ins, Source) else None
+        if node is not None and node.kind == INPUT and not ins.layout.is_sharded and node.name not in names:
+            names.append(node.name)
+    return [
+        (
+            name,
+            f"input {name!r} differs between the ranks, but the plan takes it whole (every rank computes with all "
+            "of it), so the loss and the gradients would mix the ranks' different values. Give every rank the same "
+            f"{name!r} on every call (the global batch; the module takes each rank's share itself) -- draw per-step "
+            "randomness such as masking targets with -100 from a generator seeded alike on every rank",
+        )
+        for name in names
+    ]
 
 
 def _hash_batch(batch: dict[str, torch.Tensor]) -> int:

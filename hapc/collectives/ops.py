@@ -241,12 +241,14 @@ class Pending:
     """A collective in flight (:func:`all_reduce_start`), or a loss all-reduce its
     :class:`LossChannel` has not started yet; :func:`wait` yields its result."""
 
-    __slots__ = ("channel", "error", "tensor", "work", "world")
+    __slots__ = ("channel", "error", "messages", "replicated", "tensor", "work", "world")
 
     def __init__(self, tensor: torch.Tensor, work: dist.Work | None, channel: LossChannel | None = None):
         self.tensor, self.work, self.channel = tensor, work, channel
         self.error: Exception | None = None
-        self.world = 0  # > 0: the tensor is [loss, hash, hash^2] over that many ranks
+        self.world = 0  # > 0: the tensor is [loss, h1, h1^2, h2, h2^2, ...] over that many ranks
+        self.messages: list[str] = []  # per hash: the error when the ranks' hashes differ
+        self.replicated = False  # the loss is whole on every rank already: only the hashes travel
 
 
 def all_reduce_start(x: torch.Tensor, group: Group = None, known: torch.Tensor | None = None) -> Pending:
@@ -285,9 +287,9 @@ def global_value(partial: torch.Tensor, group: Group = None) -> torch.Tensor:
     here -- unless the caller runs the program inside :func:`deferring` (``CompiledModule`` on
     gloo does), which hands it to a :class:`LossChannel` that starts it later, when it is cheapest."""
     stack = _LOCAL.__dict__.get("stack")
-    channel, batch_hash = stack[-1] if stack else (None, None)
+    channel, checks = stack[-1] if stack else (None, ())
     if channel is not None and channel.group is group:
-        return channel.defer(partial, batch_hash)
+        return channel.defer(partial, checks)
     total = partial.detach().clone()
     return _global_loss(partial, Pending(total, dist.all_reduce(total, group=group, async_op=True)))
 
@@ -325,13 +327,25 @@ class LossChannel:
     def __init__(self, group: Group):
         self.group = group
 
-    def defer(self, partial: torch.Tensor, batch_hash: int | None = None) -> GlobalLoss:
+    def defer(
+        self, partial: torch.Tensor, checks: Sequence[tuple[int, str]] = (), replicated: bool = False
+    ) -> GlobalLoss:
+        """``partial``'s value summed over the ranks, started later. ``checks``: ``(hash, message)``
+        pairs (hashes < 2**20) of values every rank must hold alike; they ride in the same
+        all-reduce and reading the loss raises ``HapcError(message)`` where the ranks' hashes
+        differ. ``replicated``: ``partial`` is already the whole loss on every rank (a program
+        whose loss is Replicated): only the checks travel, the value is kept."""
         value = partial.detach().clone()
-        if batch_hash is not None:  # [loss, h, h^2] summed: equal hashes iff world * sum(h^2) == sum(h)^2
-            h = float(batch_hash)
-            value = torch.tensor([float(value), h, h * h], dtype=torch.float64, device=value.device)
+        if checks:  # [loss, h, h^2, ...] summed: equal hashes iff world * sum(h^2) == sum(h)^2
+            hashes = [float(h) for h, _ in checks]
+            head = 0.0 if replicated else float(value)
+            value = torch.tensor(
+                [head, *(x for h in hashes for x in (h, h * h))], dtype=torch.float64, device=value.device
+            )
         pending = Pending(value, None, self)
-        pending.world = dist.get_world_size(self.group) if batch_hash is not None else 0
+        pending.world = dist.get_world_size(self.group) if checks else 0
+        pending.messages = [m for _, m in checks]
+        pending.replicated = replicated
         with _QUEUE.cond:
             _QUEUE.waiting.append((time.monotonic() + DEADLINE_S, pending))
             _QUEUE.start_thread()
@@ -397,12 +411,13 @@ _LOCAL = threading.local()  # per thread: the channels of the programs running (
 
 
 @contextlib.contextmanager
-def deferring(channel: LossChannel | None, batch_hash: int | None = None) -> Iterator[None]:
+def deferring(channel: LossChannel | None, checks: Sequence[tuple[int, str]] = ()) -> Iterator[None]:
     """Inside, :func:`global_value` on ``channel.group`` defers its all-reduce to ``channel``.
-    ``batch_hash`` (< 2**20): a hash of the batch every rank must hold alike; it rides in the
-    loss all-reduce and reading the loss raises if the ranks' hashes differ."""
+    ``checks``: ``(hash < 2**20, message)`` pairs of values every rank must hold alike (the batch,
+    inputs the plan takes whole); they ride in the loss all-reduce and reading the loss raises
+    ``HapcError(message)`` for the first whose hashes differ between the ranks."""
     stack = _LOCAL.__dict__.setdefault("stack", [])
-    stack.append((channel, batch_hash))
+    stack.append((channel, tuple(checks)))
     try:
         yield
     finally:
@@ -434,16 +449,14 @@ class GlobalLoss(torch.Tensor):
             flush_losses()
         value = wait(pending)  # raises if it failed; the loss stays pending, so every read raises
         if pending.world:
-            h, h2 = float(value[1]), float(value[2])
-            if pending.world * h2 != h * h:
-                raise HapcError(
-                    "the ranks were given different whole batches in this step: each counted the tokens of its "
-                    "own batch, so the loss and its gradients are not those of any one batch. Give every rank the "
-                    "same global batch on every call, or compile again and pass each rank its share of the batch"
-                )
+            for i, message in enumerate(pending.messages):
+                h, h2 = float(value[1 + 2 * i]), float(value[2 + 2 * i])
+                if pending.world * h2 != h * h:
+                    raise HapcError(message)  # the same sums on every rank: the same error everywhere
             value = value[0]
-        with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
-            self.copy_(value)
+        if not pending.replicated:
+            with torch._C.DisableTorchFunctionSubclass(), torch.no_grad():
+                self.copy_(value)
         del self.__dict__["_hapc_pending"]
 
     @classmethod

@@ -313,6 +313,34 @@ class PipelineModule(nn.Module):
         """Load a single-device state (or ``{"model", "optimizer"}``): each stage slices its part."""
         self.module.load_full_state_dict(state, optimizer)
 
+    def state_dict(  # type: ignore[override]
+        self, *, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        """The whole model's single-device ``state_dict`` (keys as in the model; every rank calls,
+        every rank gets it): what ``CompiledModule.state_dict`` is, over all stages."""
+        out: dict[str, Any] = destination if destination is not None else {}
+        for key, value in self.full_state_dict().items():
+            out[prefix + key] = value
+        return out
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load a single-device ``state_dict``: each stage copies its slices (the other stages' keys
+        are expected and skipped)."""
+        mine = set(self.module._state_keys)
+        incompatible = self.module.load_state_dict({k: v for k, v in state_dict.items() if k in mine}, strict)
+        known = {k for names in self.stage_tensors for k in names} | mine
+        unexpected = [k for k in state_dict if k not in known]
+        if strict and unexpected:
+            raise RuntimeError(f"Error(s) in loading state_dict for PipelineModule: unexpected key(s) {unexpected[:5]}")
+        return nn.modules.module._IncompatibleKeys(incompatible.missing_keys, unexpected)
+
+    def unwrap(self) -> nn.Module:
+        """Write the trained weights of every stage into the model this module was compiled from and
+        return it (every rank calls; see ``CompiledModule.unwrap``)."""
+        from ..codegen.original import write_back
+
+        return write_back(self, self.full_state_dict())
+
     def _from_relays(self, mine: dict[str, Any]) -> dict[str, torch.Tensor]:
         # each stage's relay broadcasts its tensors, whose names and shapes every rank knows
         out: dict[str, torch.Tensor] = {}

@@ -1,0 +1,142 @@
+"""The model a module was compiled from: never silently stale (DESIGN §9, "the original model object").
+
+``hapc.compile(model, ...)`` copies ``model``'s weights into per-rank shards and trains those; the
+``model`` object itself is never updated. A DDP user's habits -- ``torch.save(model.state_dict())``,
+evaluating ``model`` after training, compiling it again after ``model.eval()`` -- would then use the
+initial weights without any error. So the compiled module (its *owner*) guards the model:
+
+* the model is **in sync** while the owner's parameters and buffers are unchanged since the model
+  last received them: right after compile (the same values), after ``module.unwrap()`` (which
+  writes the trained full weights back into it, a collective), or after the user loads a
+  ``state_dict`` into it;
+* any in-place change of the owner's state since -- an optimizer step, batch norm's running
+  statistics, a ``load_state_dict`` -- makes it **stale** (each tensor's ``_version`` counter: no
+  cost per step, read only when the model is used);
+* while stale, ``model(...)``, ``model.state_dict()`` and ``hapc.compile(model, ...)`` raise a
+  :class:`~hapc.errors.HapcError` saying to call ``module.unwrap()`` (or to use the module's own
+  ``state_dict()`` / ``full_state_dict()``).
+
+A model built on the meta device holds no weights at all: it is stale from compile on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from ..errors import HapcError
+
+_ATTR = "_hapc_guard"
+
+
+class Guard:
+    """Hooks on ``model`` that raise while ``owner``'s state differs from what the model holds."""
+
+    def __init__(self, model: nn.Module, owner: nn.Module):
+        self.owner = owner  # kept alive: the model can be synced from it as long as the model lives
+        self.synced: tuple[int, ...] | None = None
+        self.writing = False
+        self.handles = [
+            model.register_forward_pre_hook(self._on_use),
+            model.register_state_dict_pre_hook(self._on_state_dict),
+            model.register_load_state_dict_post_hook(self._on_load),
+        ]
+        if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+            self.mark_synced()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Guard:  # a copy of the model is just as stale
+        return self
+
+    def mark_synced(self) -> None:
+        self.synced = versions(self.owner)
+
+    def stale(self) -> bool:
+        return self.synced is None or self.synced != versions(self.owner)
+
+    @contextlib.contextmanager
+    def writing_back(self) -> Iterator[None]:
+        self.writing = True
+        try:
+            yield
+        finally:
+            self.writing = False
+        self.mark_synced()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def check(self, what: str) -> None:
+        if self.stale():
+            raise HapcError(
+                f"{what} of the model given to hapc.compile: that model still holds the weights it was compiled "
+                "with -- the compiled module has trained its own copy since. Call module.unwrap() on every rank "
+                "to write the trained weights back into it (it returns the model), or save and evaluate through "
+                "the module: module.state_dict() (keys as in the model) or module.full_state_dict()"
+            )
+
+    def _on_use(self, module: nn.Module, args: Any) -> None:
+        self.check("a forward")
+
+    def _on_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if not self.writing:
+            self.check("state_dict()")
+
+    def _on_load(self, module: nn.Module, incompatible: Any) -> None:
+        if not self.writing:  # the user gave the model weights of their own: in sync from here on
+            self.mark_synced()
+
+
+def versions(owner: nn.Module) -> tuple[int, ...]:
+    """A tuple that changes whenever ``owner``'s trained state changes in place: every parameter's
+    and buffer's version counter, and those of state a compiled module keeps outside them."""
+    out = [t._version for t in owner.parameters()]
+    out += [t._version for t in owner.buffers()]
+    for m in owner.modules():
+        out += [t._version for t in getattr(m, "_unused", {}).values()]
+        out.append(getattr(m, "_state_epoch", 0))
+    return tuple(out)
+
+
+def guard(model: nn.Module, owner: nn.Module) -> None:
+    """Make ``model`` raise while stale with respect to ``owner`` (the module compiled from it);
+    the model's previous owner, if any, lets go of it."""
+    old = model.__dict__.get(_ATTR)
+    if old is not None:
+        old.remove()
+    model.__dict__[_ATTR] = Guard(model, owner)
+    owner.__dict__["_hapc_original"] = weakref.ref(model)
+
+
+def ensure_fresh(model: nn.Module) -> None:
+    """Refuse to compile a model whose weights an earlier compiled module has trained past."""
+    g = model.__dict__.get(_ATTR)
+    if g is not None and g.synced is not None:
+        g.check("hapc.compile")
+
+
+def original(owner: nn.Module) -> tuple[nn.Module, Guard]:
+    """The model ``owner`` was compiled from, and its guard."""
+    ref = owner.__dict__.get("_hapc_original")
+    model = ref() if ref is not None else None
+    g = model.__dict__.get(_ATTR) if model is not None else None
+    if model is None or g is None or g.owner is not owner:
+        raise HapcError(
+            "this module has no model to write back into (it was not made by hapc.compile, the model was "
+            "deleted, or the model was compiled again into another module); use module.state_dict() "
+            "(keys as in the model) and model.load_state_dict(...) instead"
+        )
+    return model, g
+
+
+def write_back(owner: nn.Module, full: dict[str, Any]) -> nn.Module:
+    """Load the single-device state ``full`` into ``owner``'s original model; it is in sync after."""
+    model, g = original(owner)
+    meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    with g.writing_back():
+        model.load_state_dict(full, strict=True, assign=meta)
+    return model
