@@ -6,12 +6,15 @@ a forced parameter-sharding plan (Megatron TP at fixed uneven ratios)."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from harness import assert_close
 
 import hapc
+from hapc.codegen.dcp_shards import ShardEntry
 from hapc.testing import cluster_of, run_distributed
 
 try:
@@ -74,6 +77,7 @@ def _save_dcp_and_torch(rank, world, alias, plan, other, directory):
     return m2.full_state_dict()
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load on one process
 @pytest.mark.parametrize("world, kind", PLANS)
 @pytest.mark.parametrize("alias", ["mlp", "gpt"])
 def test_state_dict_round_trips_through_dcp_and_torch_save(alias, world, kind, tmp_path):
@@ -93,6 +97,46 @@ def test_state_dict_round_trips_through_dcp_and_torch_save(alias, world, kind, t
     dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"))
     single.load_state_dict(sd)
     assert_close(dict(single.state_dict()), want, F64, "DCP checkpoint loaded on one process")
+
+
+def _save_sharded(rank, world, alias, plan, directory):
+    model, inputs = models.load(alias, dtype=F64)
+    keys = list(model.state_dict())
+    m = hapc.compile(model, CLUSTERS[world], inputs, plan=plan)
+    _train(m, inputs, 2)
+    sd = m.sharded_state_dict()
+    assert list(sd) == keys
+    assert any(isinstance(v, ShardEntry) for v in sd.values()), "the plan shards parameters"
+    with pytest.raises(hapc.HapcError, match="only this rank's chunk"):
+        torch.save(sd, io.BytesIO())  # not whole tensors: refused, never half a checkpoint
+    dcp.save(sd, checkpoint_id=directory)  # one chunk per rank, no gather
+
+
+def _load_sharded(rank, world, alias, plan, directory):
+    _, inputs = models.load(alias, dtype=F64)
+    fresh, _ = models.load(alias, dtype=F64, seed=77)
+    m = hapc.compile(fresh, CLUSTERS[world], inputs, plan=plan)
+    sd = m.sharded_state_dict()
+    dcp.load(sd, checkpoint_id=directory)  # in place, resharded by chunks
+    m.load_state_dict(sd)  # nothing left to copy, but the habit works
+    return m.full_state_dict()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load on one process
+@pytest.mark.parametrize("saved, loaded", [((3, "tp"), (2, "default")), ((2, "tp"), (3, "tp"))])
+def test_sharded_state_dict_reshards_through_dcp(saved, loaded, tmp_path):
+    alias = "gpt"
+    run_distributed(_save_sharded, saved[0], alias, _plan(alias, *saved), str(tmp_path))
+    want = _one_device(alias, 2)
+    for rank, state in enumerate(
+        run_distributed(_load_sharded, loaded[0], alias, _plan(alias, *loaded), str(tmp_path))
+    ):
+        assert_close(state, want, F64, f"rank {rank} of {loaded[0]}: uneven chunks of {saved[0]} ranks, resharded")
+    single, _ = models.load(alias, dtype=F64, seed=6)
+    sd = single.state_dict()
+    dcp.load(sd, checkpoint_id=str(tmp_path))  # whole tensors on one process, from the chunks
+    single.load_state_dict(sd)
+    assert_close(dict(single.state_dict()), want, F64, "the chunks loaded on one process")
 
 
 def _strict_load(rank, world, plan):

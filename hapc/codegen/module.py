@@ -36,6 +36,7 @@ from ..checkpoint import load_param_groups
 from ..collectives.ops import gather_impl
 from ..errors import HapcError
 from ..materialize import Init, module_values, owner
+from ..ops import RandomStream
 from ..plan import Plan
 from ..theory.graph import INPUT, PARAM
 from ..theory.instructions import Source
@@ -45,7 +46,8 @@ from .program import RankProgram
 
 BUCKET_BYTES = 25 * 2**20
 FIRST_BUCKET_BYTES = 25 * 2**20
-_MODE_SENSITIVE = (nn.modules.batchnorm._BatchNorm, nn.Dropout, nn.modules.dropout._DropoutNd)
+_MODE_SENSITIVE = (nn.modules.batchnorm._BatchNorm,)
+_DROPOUT = (nn.modules.dropout._DropoutNd,)
 
 
 class CompiledModule(nn.Module):
@@ -94,6 +96,9 @@ class CompiledModule(nn.Module):
         root = nn.Module()
         root.group = group  # type: ignore[assignment]
         root.device = self.device  # type: ignore[assignment]
+        # random ops draw from (seed, step, op, global index): one stream per module, the seed agreed
+        self.rng = RandomStream(self._agree_on_seed(seed) if rp.uses_stream else seed)
+        root.rng = self.rng  # type: ignore[assignment]
         self._layouts: dict[str, tuple[int, Layout]] = {}
         full = _full_state(model)
         elsewhere = set(elsewhere)
@@ -103,6 +108,9 @@ class CompiledModule(nn.Module):
         # state outside the graph, advanced here as the module would
         self._traced_mode = model.training
         self._mode_sensitive = [q for q, mod in model.named_modules() if isinstance(mod, _MODE_SENSITIVE)]
+        # compiled in eval mode, dropout was traced as the identity: no program for training here
+        self._eval_only = [q for q, mod in model.named_modules() if isinstance(mod, _DROPOUT) and mod.p > 0]
+        self._eval_only += [n.name for n in theory.graph if n.op in _RANDOM_NODES]
         self._counters = [
             f"{q}.num_batches_tracked" if q else "num_batches_tracked"
             for q, mod in model.named_modules()
@@ -156,6 +164,8 @@ class CompiledModule(nn.Module):
         checks += self._whole_input_checks(bound)
         with C.deferring(self._channel, checks):
             out = self.program(*[bound[n] for n in names], *whole)
+        if self.rng.drops:  # every forward that may drop draws new masks (each accumulated micro-batch too)
+            self.rng.step += 1
         if checks and not isinstance(out, C.GlobalLoss) and isinstance(out, torch.Tensor) and out.dim() == 0:
             # a Replicated loss is not all-reduced: the checks travel alone, in the same deferred way
             out = self._channel.defer(out, checks, replicated=True)
@@ -247,7 +257,25 @@ class CompiledModule(nn.Module):
                 f"and {self._mode_sensitive[0]!r} behaves differently in the other; compile the model again after "
                 f"model.{'eval' if not mode else 'train'}() for that mode"
             )
+        if mode and not self._traced_mode and self._eval_only:
+            raise HapcError(
+                f"this program was compiled from the model in eval mode, where {self._eval_only[0]!r} (dropout) "
+                "does nothing, so it has no training-mode dropout; compile the model in training mode "
+                "(model.train() before hapc.compile): that program serves eval mode too"
+            )
+        # compiled in training mode, dropout follows the mode: the identity in eval
+        self.rng.drops = mode or not self._traced_mode
         return super().train(mode)
+
+    def _agree_on_seed(self, seed: int) -> int:
+        """The random ops' seed: ``seed`` mixed with rank 0's ``torch.initial_seed()`` (so
+        ``torch.manual_seed`` changes the masks as it does on one device), the same on every rank."""
+        base = torch.tensor([torch.initial_seed() & (2**63 - 1)], dtype=torch.int64, device=self.device)
+        if self.world > 1:
+            self._flush()
+            src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+            dist.broadcast(base, src=src, group=self.group)
+        return (int(base) * 1_000_003 + seed) & (2**64 - 1)
 
     @property
     def code(self) -> str:
@@ -512,10 +540,22 @@ class CompiledModule(nn.Module):
         """Load a single-device ``state_dict`` (keys as in the user's model; from ``state_dict()``,
         ``model.state_dict()``, ``full_state_dict()`` or a DCP load into ``state_dict()``): each
         rank copies its slices. ``assign`` is ignored (the shards stay the module's tensors)."""
+        from .dcp_shards import ShardEntry
+
         expected = set(self._state_keys)
         missing = [k for k in self._state_keys if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in expected]
         targets = self._targets()
+        loaded_in_place = set()  # entries of this module's sharded_state_dict(): dcp.load wrote them already
+        for key, value in state_dict.items():
+            if isinstance(value, ShardEntry):
+                live = self._tensor(targets[key]) if key in targets else None
+                if live is None or value._local.data_ptr() != live.data_ptr():
+                    raise HapcError(
+                        f"{key!r} is another module's sharded_state_dict() entry (one rank's chunk): load it into "
+                        "this module with dcp.load(module.sharded_state_dict(), ...), or pass whole tensors"
+                    )
+                loaded_in_place.add(key)
+        unexpected = [k for k in state_dict if k not in expected]
         errors = [f"missing key(s) {missing[:5]}"] if strict and missing else []
         errors += [f"unexpected key(s) {unexpected[:5]}"] if strict and unexpected else []
         for key, attr in targets.items():
@@ -527,8 +567,37 @@ class CompiledModule(nn.Module):
                 f"Error(s) in loading state_dict for CompiledModule: {'; '.join(errors)} (keys and shapes are the "
                 "single-device model's, as module.state_dict() and model.state_dict() give them)"
             )
-        self.load_full_state_dict({k: v for k, v in state_dict.items() if k in expected}, partial=True)
+        self.load_full_state_dict(
+            {k: v for k, v in state_dict.items() if k in expected and k not in loaded_in_place}, partial=True
+        )
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """``state_dict`` for ``torch.distributed.checkpoint`` without gathering: keys as in the user's
+        model; a tensor the plan shards is a :class:`~hapc.codegen.dcp_shards.ShardEntry` (this rank's
+        ``(offset, size)`` chunk, described to DCP by its checkpointable protocol, uneven shards
+        included), any other is this rank's copy (alike on every rank: DCP writes it once). Values are
+        views of the module's own tensors, so ``dcp.save(module.sharded_state_dict(), ...)`` writes one
+        chunk per rank and ``dcp.load(module.sharded_state_dict(), ...)`` loads in place, from a
+        checkpoint written under any plan or world size, or from whole tensors (``state_dict()``, one
+        device). Local: no communication. Not for ``torch.save`` (an entry is not a whole tensor)."""
+        from .dcp_shards import shard_entry
+
+        out: dict[str, Any] = OrderedDict()
+        targets = self._targets()
+        for key in self._state_keys:
+            attr = targets.get(key)
+            if attr is None:  # a tensor the program never reads: every rank keeps it whole
+                out[key] = self._unused[key]
+                continue
+            ref, lay = self._layouts[attr]
+            local = self._tensor(attr).detach()
+            if lay.is_sharded:
+                sizes = self.theory.local_sizes(ref, lay.dim, self.plan.device_ratios)
+                out[key] = shard_entry(local, lay.dim, sum(sizes[: self.rank]), tuple(self.theory.graph[ref].shape))
+            else:
+                out[key] = local
+        return out
 
     def _state_group(self) -> Any:
         if self.__dict__.get("_gather_group") is None:
@@ -646,6 +715,10 @@ class _Materializer:
 
 # runtime functions whose backward sends nothing; every other one of hapc.collectives communicates
 _SILENT_BACKWARD = {C.take_shard, C.take_whole, C.all_reduce_start, C.wait, C.global_value, C.grad_scale}
+
+
+#: reference-graph ops that draw rank-consistently from the module's stream (hapc.theory.rules.random)
+_RANDOM_NODES = ("dropout",)
 
 
 def _communicates(node: Any) -> bool:
