@@ -245,3 +245,46 @@ def test_ranks_given_the_same_masked_targets_train_exactly(world, kind):
     for value, grads in run_distributed(_masked_targets, world, alias, _plan(alias, world, kind), True, "lazy"):
         assert value == pytest.approx(loss.item(), rel=1e-12)
         assert_close(grads, want, F64, "grads")
+
+
+def _pipeline_original(rank, world):
+    from hapc.cluster import Cluster
+
+    torch.set_num_threads(1)
+    link = {"bandwidth": "10 GB/s", "latency": "20 us"}
+    cluster = Cluster.from_dict(
+        {
+            "name": "two-groups",
+            "group": [
+                {"name": g, "devices": 1, "devices_per_host": 1, "flops": f, "memory": "8 GiB"}
+                for g, f in (("fast", "20 TFLOPS"), ("slow", "10 TFLOPS"))
+            ],
+            "links": {
+                "intra_host": link,
+                "inter_host": link,
+                "between": [{"groups": ["fast", "slow"], "bandwidth": "100 MB/s", "latency": "100 us"}],
+            },
+        }
+    )
+    model, inputs = models.load("gpt", batch=8, dtype=F64)
+    pm = hapc.compile(model, cluster, inputs, num_micro=4)
+    assert type(pm).__name__ == "PipelineModule"
+    opt = torch.optim.SGD(pm.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(2):
+        opt.zero_grad()
+        pm.train_step(*inputs)
+        opt.step()
+    with pytest.raises(hapc.HapcError, match=r"module\.unwrap\(\)"):
+        model(*inputs)
+    whole = pm.state_dict()
+    assert pm.unwrap() is model
+    return whole, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_pipelined_original_model_raises_until_unwrapped():
+    model, inputs = models.load("gpt", batch=8, dtype=F64)
+    _train(model, inputs, 2)
+    want = dict(model.state_dict())
+    for rank, (whole, unwrapped) in enumerate(run_distributed(_pipeline_original, 2, timeout=240)):
+        assert_close(whole, want, F64, f"rank {rank}: pipeline state_dict()")
+        assert_close(unwrapped, want, F64, f"rank {rank}: pipeline unwrap()")
