@@ -324,21 +324,50 @@ def _has_slow_links(cluster: Cluster) -> bool:
     return any(link.bandwidth < cluster.inter_host.bandwidth for _, link in cluster.between)
 
 
-RANDOM_OPS = ("dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d")
+#: random ops without a rank-consistent draw (dropout and SDPA's dropout_p have one: hapc.ops.dropout),
+#: with the position and default of their ``training`` flag where they have one (None: random always)
+RANDOM_OPS: dict[str, tuple[int, bool] | None] = {
+    "alpha_dropout": (2, False),
+    "feature_alpha_dropout": (2, False),
+    "dropout1d": (2, True),
+    "dropout2d": (2, True),
+    "dropout3d": (2, True),
+    "rrelu": (3, False),
+    "rand_like": None,
+    "randn_like": None,
+    "randint_like": None,
+    "bernoulli": None,
+    "multinomial": None,
+    "normal": None,
+    "uniform": None,
+    "exponential": None,
+    "randperm": None,
+}
 
 
 def _refuse_random_ops(graph: Any, world: int) -> None:
-    """Random ops would draw different values on different ranks, so a replicated tensor would
-    stop being replicated: refuse rather than train a silently different model."""
+    """Random ops other than dropout would draw different values on different ranks, so a
+    replicated tensor would stop being replicated: refuse rather than train a silently different
+    model. (Dropout and SDPA's ``dropout_p`` draw from (seed, step, op, global index) on every
+    rank: :mod:`hapc.theory.rules.random`.)"""
     if world == 1:
         return
     for n in graph:
-        if n.op in RANDOM_OPS and (len(n.args) < 3 or n.args[2]) and (len(n.args) < 2 or n.args[1]):
-            raise HapcError(
-                f"{n.op} in training mode at {n.name} ({n.source or 'model'}): hapc does not yet draw "
-                "rank-consistent random masks, so replicas would diverge; compile with dropout p=0 "
-                "(or the model in eval mode)"
-            )
+        if n.op not in RANDOM_OPS:
+            continue
+        flag = RANDOM_OPS[n.op]
+        if flag is not None:
+            pos, default = flag
+            training = n.kwargs.get("training", n.args[pos] if len(n.args) > pos else default)
+            p = n.kwargs.get("p", n.args[1] if len(n.args) > 1 else 0.5) if "dropout" in n.op else 1
+            if not training or p == 0:
+                continue  # the identity (rrelu: a fixed slope)
+        raise HapcError(
+            f"{n.op} in training mode at {n.name} ({n.source or 'model'}): hapc draws rank-consistent "
+            "random values only for dropout (F.dropout, nn.Dropout, scaled_dot_product_attention's dropout_p), "
+            "so replicas would diverge; use nn.Dropout / F.dropout instead, draw the values outside the model "
+            "and pass them in as an input, or compile the model in eval mode"
+        )
 
 
 SYNTH_OPTIONS = ("segments", "rounds", "solver", "memory", "baseline", "ratios")

@@ -11,6 +11,8 @@ Ops marked ``@custom_op`` are also single nodes of the reference graph with thei
 
 from __future__ import annotations
 
+import hashlib
+import math
 from collections.abc import Sequence
 
 import torch
@@ -140,3 +142,148 @@ def moe_combine_range(
     flat = (expert_index - lo).clamp(0, e_local - 1) * capacity + pos.clamp(0, capacity - 1)
     picked = expert_out.reshape(e_local * capacity, -1)[flat.reshape(-1)].view(*expert_index.shape, -1)
     return (picked * (gates * keep.to(gates.dtype)).unsqueeze(-1)).sum(1)
+
+
+# -- Rank-consistent randomness (DESIGN §9 "Randomness") ----------------------------------------
+#
+# A random op's values are a pure function of (seed, step, op, global element index): a
+# counter-based draw, no generator state. Element ``i`` of a tensor of global shape ``S`` gets the
+# 64-bit hash ``splitmix64(key + (i + 1) * GAMMA)`` with ``key`` mixed from the seed, the module's
+# step and the op's name; it is kept when its top 53 bits are at least ``p * 2**53``. A rank holding
+# a slice (any dims, any starts) computes the global indices of its elements and so draws exactly
+# the slice of the whole tensor's mask: N ranks equal one rank bit for bit, under any sharding.
+
+_M64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+def _signed(v: int) -> int:
+    v &= _M64
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finaliser on a Python int (exact 64-bit arithmetic)."""
+    z &= _M64
+    z = ((z ^ (z >> 30)) * _MIX1) & _M64
+    z = ((z ^ (z >> 27)) * _MIX2) & _M64
+    return z ^ (z >> 31)
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 values (torch shifts arithmetically)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64_tensor(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors (wrapping multiplication, logical shifts)."""
+    z = (z ^ _shr(z, 30)) * _signed(_MIX1)
+    z = (z ^ _shr(z, 27)) * _signed(_MIX2)
+    return z ^ _shr(z, 31)
+
+
+class RandomStream:
+    """The run-time state random ops read: ``seed`` (agreed by every rank), ``step`` (advanced by
+    the module on every training-mode forward) and ``drops`` (false once a module compiled in
+    training mode is switched to eval: dropout is then the identity). One object per module."""
+
+    def __init__(self, seed: int = 0, step: int = 0, drops: bool = True):
+        self.seed, self.step, self.drops = seed, step, drops
+
+    def key(self, op: str) -> int:
+        """The 64-bit key of op ``op``'s draw at this step (a signed int64 value)."""
+        h = int.from_bytes(hashlib.blake2b(op.encode(), digest_size=8).digest(), "little")
+        return _signed(_mix64(_mix64(_mix64(self.seed) + self.step) ^ h))
+
+    def __repr__(self) -> str:
+        return f"RandomStream(seed={self.seed}, step={self.step}, drops={self.drops})"
+
+
+def global_index(
+    local_shape: Sequence[int], starts: Sequence[int], full_shape: Sequence[int], device: torch.device | None = None
+) -> torch.Tensor:
+    """Row-major index into ``full_shape`` of every element of the slice of shape ``local_shape``
+    that begins at ``starts`` (int64, shaped like the slice)."""
+    n = len(full_shape)
+    idx = torch.zeros((), dtype=torch.int64, device=device)
+    stride = 1
+    for d in range(n - 1, -1, -1):
+        ar = torch.arange(starts[d], starts[d] + local_shape[d], dtype=torch.int64, device=device) * stride
+        idx = idx + ar.view(*([1] * d), local_shape[d], *([1] * (n - d - 1)))
+        stride *= full_shape[d]
+    return idx.expand(tuple(local_shape)) if n else idx
+
+
+def keep_mask(
+    key: int, p: float, local_shape: Sequence[int], starts: Sequence[int], full_shape: Sequence[int], device=None
+) -> torch.Tensor:
+    """Boolean keep mask (keep probability ``1 - p``) of a slice of a ``full_shape`` tensor."""
+    z = (global_index(local_shape, starts, full_shape, device) + 1) * _signed(_GAMMA) + key
+    u = _shr(_mix64_tensor(z), 11)  # 53 uniform bits
+    return u >= round(p * 2**53)
+
+
+def dropout(
+    input: torch.Tensor,
+    p: float = 0.5,
+    training: bool = True,
+    *,
+    stream: RandomStream | None = None,
+    op: str = "dropout",
+    starts: Sequence[int] | None = None,
+    full_shape: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """``F.dropout`` with a counter-based mask: element ``i`` of the whole tensor (``full_shape``;
+    this tensor is its slice starting at ``starts``) is kept or dropped as a function of the
+    stream's seed and step, ``op`` and ``i`` alone. ``p == 0``, ``training=False`` or a stream in
+    eval mode give ``input`` itself."""
+    stream = stream if stream is not None else RandomStream()
+    if p == 0 or not training or not stream.drops:
+        return input
+    if p >= 1:
+        return input * 0.0
+    full = tuple(input.shape) if full_shape is None else tuple(full_shape)
+    starts = (0,) * input.dim() if starts is None else tuple(starts)
+    with torch.no_grad():
+        keep = keep_mask(stream.key(op), p, tuple(input.shape), starts, full, input.device)
+        scale = keep.to(input.dtype) * (1.0 / (1.0 - p))
+    return input * scale
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    stream: RandomStream | None = None,
+    op: str = "scaled_dot_product_attention",
+    starts: Sequence[int] | None = None,
+    full_shape: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` whose attention dropout is :func:`dropout` on the
+    probabilities ``[..., Tq, Tk]`` (global shape ``full_shape``, this rank's slice at ``starts``):
+    explicit attention when it drops, the fused kernel (without dropout) when it does not."""
+    stream = stream if stream is not None else RandomStream()
+    if dropout_p == 0 or not stream.drops:
+        kw = {"enable_gqa": True} if enable_gqa else {}
+        return F.scaled_dot_product_attention(query, key, value, attn_mask, 0.0, is_causal, scale=scale, **kw)
+    lq, lk = query.shape[-2], key.shape[-2]
+    if enable_gqa and query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
+        rep = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(rep, -3), value.repeat_interleave(rep, -3)
+    factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = (query @ key.transpose(-2, -1)) * factor
+    if is_causal:
+        causal = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    probs = dropout(scores.softmax(-1), dropout_p, True, stream=stream, op=op, starts=starts, full_shape=full_shape)
+    return probs @ value

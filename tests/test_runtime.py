@@ -316,22 +316,3 @@ def test_meta_models_are_initialised_per_shard():
         materialize(models.load("gpt", dtype=F64, device="meta")[0], seed=6).state_dict()["wte.weight"],
         model.state_dict()["wte.weight"],
     )
-
-
-class _Dropping(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 4)
-        self.drop = torch.nn.Dropout(0.1)
-
-    def forward(self, x):
-        return self.drop(self.lin(x)).sum()
-
-
-def _dropout_job(rank, world):
-    hapc.compile(_Dropping(), "local-cpu:2", (torch.randn(4, 4),))
-
-
-def test_dropout_in_training_is_refused_until_masks_are_rank_consistent():
-    with pytest.raises(HapcError, match="rank-consistent random masks"):
-        run_distributed(_dropout_job, 2, timeout=30)

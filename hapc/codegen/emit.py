@@ -99,6 +99,7 @@ def rank_source(theory: Theory, plan: Plan, rank: int) -> str:
         "        super().__init__()",
         "        self.group = group  # the torch.distributed process group of the plan's ranks",
         "        self.device = torch.device(device)",
+        *(["        self.rng = hapc.ops.RandomStream()  # seed, step and mode of dropout"] if rp.uses_stream else []),
         "",
         "        def param(*shape):",
         "            return torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device))",

@@ -25,7 +25,7 @@ from ..theory.graph import BUFFER, INPUT, PARAM
 from ..theory.instructions import Collective, Compute, Loss, Source
 from ..theory.local import default_call, local_call
 from ..theory.props import Layout
-from ..theory.strategy import OUT, LocalCall, Operand, ShardMarker, Strategy
+from ..theory.strategy import OUT, LocalCall, Operand, ShardMarker, Strategy, StreamMarker
 from ..theory.trace import CurrentDevice
 from ..theory.triples import Theory
 
@@ -107,6 +107,8 @@ class RankProgram:
         self._batch_args: dict[str, fx.Node] = {}
         self._group: fx.Node | None = None
         self._device: fx.Node | None = None
+        self._stream: fx.Node | None = None
+        self.uses_stream = False  # the program reads self.rng (it has random ops)
         self._calls: dict[Any, fx.Node] = {}
         self._grad_memo: dict[int, bool] = {}
 
@@ -156,6 +158,13 @@ class RankProgram:
         if self._device is None:
             self._device = self.graph.get_attr("device")
         return self._device
+
+    def stream(self) -> fx.Node:
+        """The module's random stream (``self.rng``, a :class:`hapc.ops.RandomStream`)."""
+        if self._stream is None:
+            self._stream = self.graph.get_attr("rng")
+            self.uses_stream = True
+        return self._stream
 
     # -- building -------------------------------------------------------------------------------
     def build_graph(self) -> fx.Graph:
@@ -307,6 +316,8 @@ class RankProgram:
             return marker(value)
         if isinstance(value, CurrentDevice):
             return self.device()
+        if isinstance(value, StreamMarker):
+            return self.stream()
         if isinstance(value, tuple):
             return tuple(self._fill(v, operands, marker) for v in value)
         if isinstance(value, list):

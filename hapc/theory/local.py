@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .graph import Ref, RefNode, map_refs
-from .strategy import LocalCall, Operand, ShardMarker, Strategy
+from .strategy import LocalCall, Operand, ShardMarker, Strategy, StreamMarker
 
 
 def default_call(node: RefNode) -> LocalCall:
@@ -36,6 +36,10 @@ def substitute(value: Any, operands: Sequence[Any], marker: Callable[[ShardMarke
         return marker(value)
     if isinstance(value, CurrentDevice):
         return device
+    if isinstance(value, StreamMarker):  # simulation: one fixed stream, in training mode
+        from ..ops import RandomStream
+
+        return RandomStream()
     if isinstance(value, Ref):
         raise TypeError("local call templates use Operand(i), not Ref")
     if isinstance(value, tuple):

@@ -84,11 +84,12 @@ def _embedding(g, m, qual, a):
     return _call(g, F.embedding, a["input"], _attr(g, qual, "weight"), m.padding_idx)
 
 
-@normalises(nn.Dropout, nn.Dropout1d, nn.Dropout2d)
+@normalises(nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
 def _dropout(g, m, qual, a):
     if m.p == 0 or not m.training:
         return a["input"]
-    return _call(g, F.dropout, a["input"], m.p, True)
+    fn = {nn.Dropout1d: F.dropout1d, nn.Dropout2d: F.dropout2d, nn.Dropout3d: F.dropout3d}.get(type(m), F.dropout)
+    return _call(g, fn, a["input"], m.p, True)  # whole channels for DropoutNd: not element-wise
 
 
 @normalises(nn.Identity)

@@ -55,6 +55,19 @@ def ShardEnd(which: int, dim: int) -> ShardMarker:
 
 
 @dataclass(frozen=True, slots=True)
+class StreamMarker:
+    """The module's random stream (:class:`hapc.ops.RandomStream`: seed, step, train/eval), known
+    only at run time: random ops' local calls take it, codegen reads it from ``self.rng``."""
+
+    def __repr__(self) -> str:
+        return "<rng>"
+
+
+#: the marker random ops' local calls use
+RNG = StreamMarker()
+
+
+@dataclass(frozen=True, slots=True)
 class Operand:
     """The node's tensor operand at ``position`` inside a :class:`LocalCall` template."""
 

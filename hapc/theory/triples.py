@@ -44,7 +44,7 @@ from .graph import BUFFER, INPUT, OP, PARAM, RefGraph, RefNode, map_refs
 from .instructions import COLLECTIVES, Collective, Compute, Instruction, Loss, Source
 from .props import DONE, PARTIAL, REPLICATED, Layout, Prop, shard
 from .registry import OpView, Registry, default_registry
-from .strategy import OUT, Strategy
+from .strategy import OUT, RNG, Strategy
 from .trace import backward_work
 
 #: Ops whose result aliases its input (no new activation memory).
@@ -229,7 +229,9 @@ class _Builder:
         key = self._strategy_key(n)
         hit = self._strategy_cache.get(key)
         if hit is None:
-            hit = self._strategy_cache[key] = self._node_strategies(n)
+            hit = self._node_strategies(n)
+            if not any(s.local is not None and ("stream", RNG) in s.local.kwargs for s in hit):
+                self._strategy_cache[key] = hit  # a random op's calls name their node: not shared
         return hit
 
     def _strategy_key(self, n: RefNode) -> tuple | None:
@@ -266,6 +268,9 @@ class _Builder:
             found += sfb_strategies(OpView(n, self.g), found)
         out, seen = [rep], {(rep.inputs, rep.output)}
         for s in found:
+            if s.key() == rep.key() and s.local is not None:  # the rule's own replicated call (random ops)
+                out[0] = s
+                continue
             if (s.inputs, s.output) not in seen or s.name == "sfb":
                 seen.add((s.inputs, s.output))
                 out.append(s)

@@ -91,6 +91,8 @@ def _is_random(n: RefNode) -> bool:
         p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
         training = n.args[2] if len(n.args) > 2 else n.kwargs.get("training", True)
         return bool(training) and p > 0
+    if n.op == "scaled_dot_product_attention":
+        return float(n.args[4] if len(n.args) > 4 else n.kwargs.get("dropout_p", 0.0)) > 0
     return False
 
 

@@ -38,4 +38,4 @@ def labels(rank: int, prefix: str = "d") -> list[str]:
     return [f"{prefix}{k}" for k in range(rank)]
 
 
-from . import elementwise, linalg, loss, moe, reduce, shape  # noqa: E402, F401  (registration)
+from . import elementwise, linalg, loss, moe, random, reduce, shape  # noqa: E402, F401  (registration)

@@ -55,7 +55,6 @@ op(
         "logsigmoid",
         "softsign",
         "tanhshrink",
-        "dropout",
         "bitwise_not",
         "long",
         "int",

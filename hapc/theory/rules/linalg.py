@@ -96,7 +96,12 @@ def _sdpa(view: OpView):
     if view.num_operands == 4:
         m = view.operands[3]
         spec.append(" ".join([*qb[lead - (m.rank - 2) :], ql, "s^"]))
-    return view.annotate(f"{', '.join(spec)} -> {' '.join([*qb, ql, 'v^'])}", linear=[(2,)])
+    strategies = view.annotate(f"{', '.join(spec)} -> {' '.join([*qb, ql, 'v^'])}", linear=[(2,)])
+    if float(view.arg(4, "dropout_p", 0.0)) > 0:  # rank-consistent attention dropout
+        from .random import with_attention_dropout
+
+        return with_attention_dropout(view, strategies)
+    return strategies
 
 
 @rule(["conv1d", "conv2d", "conv3d"], doc="batch, out-channels shard; in-channels -> Partial (groups=1)")

@@ -1,0 +1,76 @@
+"""Random ops with rank-consistent draws (DESIGN §9 "Randomness"): dropout and SDPA's ``dropout_p``.
+
+Every device runs :func:`hapc.ops.dropout` (or :func:`hapc.ops.scaled_dot_product_attention`),
+whose mask is a pure function of (seed, step, op, *global* element index): the local call passes
+the node's name as the op, the whole tensor's shape, and where this device's slice starts
+(``ShardStart(OUT, d)`` on the sharded dim, 0 elsewhere). So a sharded result is exactly the slice
+of the replicated one, whatever the ratios. Dropout is elementwise, so every dim shards; and for
+a fixed mask ``m`` it is linear (``m * x / (1 - p)``): every device draws the same ``m`` for the
+same global element, so ``sum_j m * x_j / (1 - p) = m * (sum_j x_j) / (1 - p)`` and Partial passes
+through too (a Partial summand is whole-shaped: its starts are 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ... import ops as hops
+from ..props import REPLICATED
+from ..registry import OpView
+from ..strategy import OUT, RNG, LocalCall, Operand, ShardStart, Strategy
+from . import rule
+
+
+def _replicated(view: OpView) -> Strategy:
+    """Replicate-everything, named as the theory's own so this rule's local call replaces its
+    reference call (which would draw from each device's own generator)."""
+    return Strategy(tuple(REPLICATED for _ in range(view.num_operands)), REPLICATED, scaled=False, name="replicate")
+
+
+def _starts(s: Strategy, rank: int) -> tuple[Any, ...]:
+    """Where this device's slice of a ``rank``-dim result starts: a marker on the sharded dim."""
+    d = s.output.dim if s.output.is_sharded else None
+    return tuple(ShardStart(OUT, k) if k == d else 0 for k in range(rank))
+
+
+def _dropout_args(view: OpView) -> tuple[float, bool]:
+    p = float(view.arg(1, "p", 0.5))
+    training = view.arg(2, "training", view.node.kwargs.get("train", True))
+    return p, bool(training)
+
+
+@rule("dropout", doc="every dim shards; Partial -> Partial (a fixed mask is linear); masks by global index")
+def _dropout(view: OpView):
+    """``F.dropout(x, p, training)`` / ``torch.dropout(x, p, train)``: the rank-consistent draw of
+    :func:`hapc.ops.dropout` on every strategy (p = 0 or training=False: the identity)."""
+    p, training = _dropout_args(view)
+    shape = tuple(view.out.shape)
+    out = []
+    for s in [_replicated(view), *view.annotate("... -> ...", linear="each")]:
+        kwargs = (("stream", RNG), ("op", view.node.name), ("starts", _starts(s, len(shape))), ("full_shape", shape))
+        out.append(dataclasses.replace(s, local=LocalCall(hops.dropout, (Operand(0), p, training), kwargs)))
+    return out
+
+
+def with_attention_dropout(view: OpView, strategies: list[Strategy]) -> list[Strategy]:
+    """SDPA strategies whose local call is :func:`hapc.ops.scaled_dot_product_attention`: the
+    dropout on the probabilities ``[..., Tq, Tk]`` draws by global index (those lead and query
+    dims are the result's, the key dim never shards)."""
+    args = [Operand(i) for i in range(3)]
+    mask = view.arg(3, "attn_mask")
+    args.append(Operand(3) if view.num_operands == 4 and mask is not None else None)
+    lead = tuple(view.out.shape[:-1])
+    shape = (*lead, view.operands[1].shape[-2])
+    fixed = {
+        "dropout_p": float(view.arg(4, "dropout_p", 0.0)),
+        "is_causal": bool(view.arg(5, "is_causal", False)),
+        "scale": view.arg(6, "scale"),
+        "enable_gqa": bool(view.arg(7, "enable_gqa", False)),
+    }
+    out = []
+    for s in [_replicated(view), *strategies]:
+        extra = {"stream": RNG, "op": view.node.name, "starts": (*_starts(s, len(lead)), 0), "full_shape": shape}
+        call = LocalCall(hops.scaled_dot_product_attention, tuple(args), tuple({**fixed, **extra}.items()))
+        out.append(dataclasses.replace(s, local=call))
+    return out
