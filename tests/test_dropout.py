@@ -36,13 +36,13 @@ class Attention(nn.Module):
     def __init__(self, hidden: int, heads: int, causal: bool, p: float):
         super().__init__()
         self.heads, self.causal, self.p = heads, causal, p
-        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.q, self.k, self.v = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
         self.out = nn.Linear(hidden, hidden)
         self.drop = nn.Dropout(p)  # residual dropout (a module)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, h = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = (f(x).view(b, t, self.heads, h // self.heads).transpose(1, 2) for f in (self.q, self.k, self.v))
         p = self.p if self.training else 0.0  # attention dropout (SDPA's dropout_p), as HF writes it
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
         return self.drop(self.out(y.transpose(1, 2).reshape(b, t, h)))
