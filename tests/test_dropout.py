@@ -358,3 +358,25 @@ def test_other_random_ops_are_refused_by_name(op: str) -> None:
         run_distributed(_other_job, 2, op, timeout=30)
     for text in err.value.errors.values():
         assert op in text and "test_dropout.py" in text and "rank-consistent" in text, text
+
+
+@pytest.mark.parametrize("variant", ["plain", "causal", "bool-mask", "float-mask", "gqa", "scale"])
+def test_explicit_attention_is_sdpa(variant: str) -> None:
+    """The explicit attention SDPA's dropout runs through computes SDPA (checked with a p so small
+    that nothing drops)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 8, generator=g, dtype=F64)
+    kv_heads = 2 if variant == "gqa" else 4
+    k, v = (torch.randn(2, kv_heads, 5, 8, generator=g, dtype=F64) for _ in range(2))
+    kw: dict[str, Any] = {
+        "causal": {"is_causal": True},
+        "bool-mask": {"attn_mask": torch.rand(5, 5, generator=g) > 0.3},
+        "float-mask": {"attn_mask": torch.randn(2, 1, 5, 5, generator=g, dtype=F64)},
+        "gqa": {"enable_gqa": True},
+        "scale": {"scale": 0.3},
+    }.get(variant, {})
+    if variant == "bool-mask":
+        kw["attn_mask"][:, 0] = True  # no row fully masked
+    want = F.scaled_dot_product_attention(q, k, v, **kw)
+    got = hops.scaled_dot_product_attention(q, k, v, dropout_p=1e-300, **kw)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
