@@ -195,6 +195,25 @@ def test_original_model_raises_until_unwrapped(world, kind):
         assert_close(later, two, F64, f"rank {rank}: unwrap() after two steps")
 
 
+def _optimizer_over_the_model(rank, world, plan):
+    model, inputs = models.load("mlp", dtype=F64)
+    early = torch.optim.SGD(model.parameters(), lr=0.05)  # built before compile, as DDP scripts do
+    m = hapc.compile(model, CLUSTERS[world], inputs, plan=plan)
+    m(*inputs).backward()
+    with pytest.raises(hapc.HapcError, match=r"module\.parameters\(\)") as err:
+        early.step()  # would step parameters that never get a gradient: nothing would train
+    good = torch.optim.SGD(m.parameters(), lr=0.05)
+    good.step()
+    good.step()  # checked once
+    return str(err.value)
+
+
+@pytest.mark.parametrize("world, kind", [(2, "default"), (3, "tp")])
+def test_an_optimizer_over_the_original_parameters_is_refused(world, kind):
+    errors = run_distributed(_optimizer_over_the_model, world, _plan("mlp", world, kind))
+    assert all("never receive gradients" in e for e in errors)
+
+
 # -- item 2: ranks given different targets the plan takes whole ---------------------------------------
 
 

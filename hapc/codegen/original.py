@@ -17,6 +17,12 @@ initial weights without any error. So the compiled module (its *owner*) guards t
   ``state_dict()`` / ``full_state_dict()``).
 
 A model built on the meta device holds no weights at all: it is stale from compile on.
+
+One more habit trains nothing without an error: an optimizer built over ``model.parameters()``
+(before or after compile -- with DDP they are the module's). Those parameters never receive a
+gradient, so every step is a no-op. A global optimizer step pre-hook checks each optimizer once,
+at its first step: stepping guarded parameters that have no gradient while the module's have
+raises, saying to build the optimizer over ``module.parameters()``.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import HapcError
 
@@ -38,24 +46,31 @@ class Guard:
 
     def __init__(self, model: nn.Module, owner: nn.Module):
         self.owner = owner  # kept alive: the model can be synced from it as long as the model lives
-        self.synced: tuple[int, ...] | None = None
+        self.synced = versions(owner)  # the owner's state when the model last received it
+        self.holds_weights = not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
         self.writing = False
         self.handles = [
             model.register_forward_pre_hook(self._on_use),
             model.register_state_dict_pre_hook(self._on_state_dict),
             model.register_load_state_dict_post_hook(self._on_load),
         ]
-        if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-            self.mark_synced()
+        ref = weakref.ref(self)
+        for p in model.parameters():  # no attribute on the tensor: torch.save(model) must still pickle
+            _GUARD_OF[p] = ref
+        _install_optimizer_check()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Guard:  # a copy of the model is just as stale
         return self
 
     def mark_synced(self) -> None:
         self.synced = versions(self.owner)
+        self.holds_weights = True
+
+    def trained_since(self) -> bool:
+        return self.synced != versions(self.owner)
 
     def stale(self) -> bool:
-        return self.synced is None or self.synced != versions(self.owner)
+        return not self.holds_weights or self.trained_since()
 
     @contextlib.contextmanager
     def writing_back(self) -> Iterator[None]:
@@ -72,9 +87,10 @@ class Guard:
 
     def check(self, what: str) -> None:
         if self.stale():
+            holds = "the weights it was compiled with" if self.holds_weights else "no weights (meta device)"
             raise HapcError(
-                f"{what} of the model given to hapc.compile: that model still holds the weights it was compiled "
-                "with -- the compiled module has trained its own copy since. Call module.unwrap() on every rank "
+                f"{what} of the model given to hapc.compile: that model still holds {holds} -- the compiled "
+                "module has trained its own copy since. Call module.unwrap() on every rank "
                 "to write the trained weights back into it (it returns the model), or save and evaluate through "
                 "the module: module.state_dict() (keys as in the model) or module.full_state_dict()"
             )
@@ -113,10 +129,48 @@ def guard(model: nn.Module, owner: nn.Module) -> None:
 
 
 def ensure_fresh(model: nn.Module) -> None:
-    """Refuse to compile a model whose weights an earlier compiled module has trained past."""
+    """Refuse to compile a model whose weights an earlier compiled module has trained past (a meta
+    model not trained yet may be compiled again: it draws the same initial weights)."""
     g = model.__dict__.get(_ATTR)
-    if g is not None and g.synced is not None:
+    if g is not None and g.trained_since():
         g.check("hapc.compile")
+
+
+_CHECKED: weakref.WeakSet = weakref.WeakSet()  # optimizers whose parameters passed check_optimizer
+_GUARD_OF = WeakIdKeyDictionary()  # a guarded model's parameter -> weakref to its guard
+_HOOK: Any = None
+
+
+def _install_optimizer_check() -> None:
+    global _HOOK
+    if _HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _HOOK = register_optimizer_step_pre_hook(check_optimizer)
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Before an optimizer's first step: refuse to step the parameters of a model given to
+    ``hapc.compile`` that have no gradient while its module's have (the optimizer was built over
+    ``model.parameters()``: it would never change anything). Once passed, never checked again."""
+    if optimizer in _CHECKED:
+        return
+    suspect = False
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = _GUARD_OF.get(p)
+            g = ref() if ref is not None else None
+            if g is None or p.grad is not None:
+                continue
+            suspect = True
+            if any(q.grad is not None for q in g.owner.parameters()):
+                raise HapcError(
+                    "this optimizer steps the parameters of the model given to hapc.compile, which never receive "
+                    "gradients: the compiled module trains its own (sharded) copies. Build the optimizer over "
+                    "module.parameters() (after hapc.compile), as FSDP requires"
+                )
+    if not suspect:  # else: checked again at the next step, once the module has gradients
+        _CHECKED.add(optimizer)
 
 
 def original(owner: nn.Module) -> tuple[nn.Module, Guard]:
