@@ -380,3 +380,49 @@ def test_explicit_attention_is_sdpa(variant: str) -> None:
     want = F.scaled_dot_product_attention(q, k, v, **kw)
     got = hops.scaled_dot_product_attention(q, k, v, dropout_p=1e-300, **kw)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def _accumulate(rank: int, world: int, cluster: Any, plan: Any) -> dict[str, Any]:
+    """Two optimizer steps of two accumulated micro-batches each (the first under ``no_sync``),
+    an eval forward between them: every training forward draws its own masks (step 1, 2, ...)."""
+    model, inputs = build("gpt")
+    torch.manual_seed(99)
+    module = hapc.compile(model, cluster, inputs, plan=plan)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    losses = []
+    for _ in range(2):
+        opt.zero_grad()
+        with module.no_sync():
+            module(*inputs).backward()
+        loss = module(*inputs)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        module.eval()
+        losses.append(module(*inputs).item())  # no masks, no step
+        module.train()
+    return {"losses": losses, "state": module.full_state_dict(), "step": module.rng.step}
+
+
+def test_accumulation_and_eval_between_steps() -> None:
+    cluster2 = cluster_of([1e10] * 2)
+    model, inputs = build("gpt")
+    plan2 = hapc.synthesize(model, cluster2, inputs, baseline="dp-ev")
+    got = run_distributed(_accumulate, 2, cluster2, plan2)
+    cluster1 = cluster_of([1e10])
+    want = run_distributed(_accumulate, 1, cluster1, hapc.synthesize(model, cluster1, inputs))[0]
+    assert want["step"] == 4
+    for r in got:
+        assert r["step"] == 4
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(want["losses"]), rtol=1e-12, atol=0)
+        for k, v in want["state"].items():
+            torch.testing.assert_close(r["state"][k], v, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_masks_are_the_same_on_cuda() -> None:
+    stream = hops.RandomStream(seed=11, step=4)
+    x = torch.randn(3, 33, 65, dtype=F64)
+    want = hops.dropout(x, 0.2, stream=stream, op="d", starts=(1, 0, 7), full_shape=(9, 33, 80))
+    got = hops.dropout(x.cuda(), 0.2, stream=stream, op="d", starts=(1, 0, 7), full_shape=(9, 33, 80))
+    assert torch.equal(got.cpu(), want)
