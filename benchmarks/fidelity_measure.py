@@ -62,21 +62,21 @@ class Variant:
 
 def build(family: str, cfg: dict[str, Any]) -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     """The model and example inputs of a variant (seeded: every rank builds the same weights)."""
-    from models.layers import tokens
+    from hapc.models.layers import tokens
 
     torch.manual_seed(0)
     if family == "mlp":
-        import models
+        from hapc import models
 
         return models.mlp(batch=cfg["batch"], widths=tuple(cfg["widths"]))
     if family == "gpt":
-        from models.gpt import GPT, GPTConfig
+        from hapc.models.gpt import GPT, GPTConfig
 
         model = GPT(
             GPTConfig(layers=cfg["layers"], hidden=cfg["hidden"], heads=cfg["heads"], vocab=256, seq=cfg["seq"])
         )
     elif family == "bert":
-        from models.bert import Bert, BertConfig
+        from hapc.models.bert import Bert, BertConfig
 
         model = Bert(
             BertConfig(layers=cfg["layers"], hidden=cfg["hidden"], heads=cfg["heads"], vocab=256, seq=cfg["seq"])

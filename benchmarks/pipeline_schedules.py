@@ -33,7 +33,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import models
+from hapc import models
 from hapc.pipeline.runtime import PipelineModule, PipelineSpec, micro_batches
 from hapc.pipeline.schedule import eager_1f1b_warmup, h1f1b_warmup, one_f_one_b_warmup
 from hapc.pipeline.stages import balanced_cuts

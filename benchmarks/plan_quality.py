@@ -39,7 +39,7 @@ import torch
 from rich.console import Console
 
 import hapc
-import models
+from hapc import models
 from hapc.api import synthesize_theory
 from hapc.cluster import Cluster
 from hapc.errors import HapcError

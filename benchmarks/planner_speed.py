@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import models
+from hapc import models
 from hapc.cluster import Cluster
 from hapc.pipeline.planner import plan_pipeline
 

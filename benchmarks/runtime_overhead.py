@@ -40,7 +40,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import hapc
-import models
+from hapc import models
 from hapc.testing import cluster_of, run_distributed
 
 TWO = cluster_of([1e10, 1e10], bandwidth="2 GB/s")

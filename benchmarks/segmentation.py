@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 import hapc
-import models
+from hapc import models
 from hapc.cluster import Cluster
 from hapc.synth.cost import CostModel
 from hapc.synth.synthesizer import SynthSpace, synthesize_program

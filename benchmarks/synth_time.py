@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 import hapc
-import models
+from hapc import models
 from hapc.api import synthesize_theory
 from hapc.cluster import Cluster
 

@@ -30,7 +30,7 @@ import torch
 from plan_quality import Pricer, padded_ep
 from rich.console import Console
 
-import models
+from hapc import models
 from hapc.balance.rounding import round_shares
 from hapc.cluster import Cluster
 from hapc.presets import LINKS as PRESET_LINKS

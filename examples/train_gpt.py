@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import hapc
-import models
+from hapc import models
 
 
 def main() -> None:

@@ -45,15 +45,8 @@ def load_model(spec: str, args: Sequence[str] = ()) -> tuple[Any, Any]:
             kwargs[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             kwargs[key] = value
-    try:
-        import models
-    except ImportError as exc:  # an installed hapc without the repo's zoo
-        if ":" not in spec:
-            raise HapcError(f"model {spec!r}: the model zoo (package 'models') is not installed") from exc
-        import importlib
+    from . import models
 
-        mod, _, fn = spec.partition(":")
-        return getattr(importlib.import_module(mod), fn)(**kwargs)
     try:
         return models.load(spec, **kwargs)
     except (KeyError, ImportError, AttributeError) as exc:

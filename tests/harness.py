@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 import hapc
-import models
+from hapc import models
 from hapc.testing import run_distributed
 
 TOL = {torch.float64: (1e-9, 1e-12), torch.float32: (1e-4, 1e-6)}

@@ -19,7 +19,7 @@ import torch
 from harness import check_plan
 
 import hapc
-import models
+from hapc import models
 from hapc.cluster import Cluster
 from hapc.plan import Plan
 from hapc.testing import cluster_of

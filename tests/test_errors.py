@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import hapc
-import models
+from hapc import models
 from hapc.cluster import Cluster
 from hapc.errors import (
     ClusterError,

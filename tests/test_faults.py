@@ -26,7 +26,7 @@ import torch
 from harness import assert_close
 
 import hapc
-import models
+from hapc import models
 from hapc.errors import DistributedRunError, HapcError
 from hapc.testing import cluster_of, run_distributed
 

@@ -121,7 +121,7 @@ def test_op_overhead_keeps_the_lp_exact_and_charges_each_launch():
     constant per stage and type), no grid point beats it, and each computing triple pays the
     overhead once per direction."""
     import hapc
-    import models
+    from hapc import models
     from hapc.balance.lp import solve_ratios
     from hapc.synth.cost import CostModel
     from hapc.synth.synthesizer import SynthSpace, program_cost, synthesize_program

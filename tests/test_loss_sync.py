@@ -12,7 +12,7 @@ import torch.distributed as dist
 from harness import assert_close, one_device_grads, small_buckets
 
 import hapc
-import models
+from hapc import models
 from hapc.testing import cluster_of, run_distributed
 
 F64 = torch.float64

@@ -16,11 +16,11 @@ import torch
 from harness import check_plan
 
 import hapc
-import models
+from hapc import models
 from hapc.errors import InfeasibleError
+from hapc.models.gpt import CONFIGS as GPT_SIZES
 from hapc.testing import cluster_of
 from hapc.theory.instructions import Source
-from models.gpt import CONFIGS as GPT_SIZES
 
 MI = 2**20
 

@@ -15,7 +15,7 @@ import torch
 from harness import assert_close, make_optimizer
 
 import hapc
-import models
+from hapc import models
 from hapc.cluster import Cluster
 from hapc.errors import HapcError
 from hapc.pipeline import compile_pipeline

@@ -5,7 +5,7 @@ import json
 import pytest
 
 import hapc
-import models
+from hapc import models
 from hapc.cli import main
 from hapc.cluster import Cluster, parse_quantity
 from hapc.errors import ClusterError, PlanError

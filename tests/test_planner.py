@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hapc
-import models
+from hapc import models
 from hapc.cluster import Group
 from hapc.pipeline.dp import CostTable, GroupSpec, Links, Option, PipelineDP, delta
 from hapc.pipeline.layers import build_layers, evaluate_by_layers

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import hapc
-import models
+from hapc import models
 from hapc.cli import main, tomllib_loads
 from hapc.cluster import PRIMITIVES, Cluster
 from hapc.profile import DeviceReport, build_cluster, fit_alpha_beta, profile

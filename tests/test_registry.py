@@ -114,7 +114,7 @@ def test_bad_annotations_are_rule_errors():
 
 def test_theory_optimisations_hold():
     """HAP §4.5: sources fused into consumers, one communication per tensor, params never moved."""
-    import models
+    from hapc import models
 
     model, inputs = models.load("gpt")
     graph = hapc.trace(model, inputs)
@@ -133,7 +133,7 @@ def test_theory_optimisations_hold():
 
 
 def test_sfb_triple_replaces_the_weight_all_reduce():
-    import models
+    from hapc import models
 
     model, inputs = models.load("mlp")
     theory = hapc.derive(hapc.trace(model, inputs))
@@ -148,7 +148,7 @@ def test_sfb_triple_replaces_the_weight_all_reduce():
 
 def test_heads_are_never_split():
     """A reshape into heads links the projection's output dim to whole heads (granularity)."""
-    import models
+    from hapc import models
 
     model, inputs = models.load("transformer")
     graph = hapc.trace(model, inputs)

@@ -12,7 +12,7 @@ from harness import assert_close, make_optimizer, small_buckets
 
 import hapc
 import hapc.collectives
-import models
+from hapc import models
 from hapc.codegen.emit import emit_code, load_rank_module, rank_source
 from hapc.errors import HapcError
 from hapc.testing import cluster_of, run_distributed
