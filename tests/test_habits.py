@@ -14,13 +14,9 @@ import torch.distributed.checkpoint as dcp
 from harness import assert_close
 
 import hapc
+from hapc import models
 from hapc.codegen.dcp_shards import ShardEntry
 from hapc.testing import cluster_of, run_distributed
-
-try:
-    from hapc import models
-except ImportError:  # the model zoo before it moved under hapc
-    import models
 
 F64 = torch.float64
 CLUSTERS = {2: cluster_of([3e9, 1e9]), 3: cluster_of([5e9, 3e9, 2e9])}
