@@ -191,6 +191,26 @@ def test_original_model_raises_until_unwrapped(world, kind):
         assert_close(later, two, F64, f"rank {rank}: unwrap() after two steps")
 
 
+def _meta_original(rank, world, plan):
+    _, inputs = models.load("gpt", dtype=F64)
+    model, _ = models.load("gpt", dtype=F64, device="meta")
+    m = hapc.compile(model, CLUSTERS[world], inputs, plan=plan, seed=5)
+    with pytest.raises(hapc.HapcError, match="built on the meta device and holds no weights") as err:
+        model.state_dict()
+    assert m.unwrap() is model
+    return str(err.value), {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_a_meta_model_raises_until_unwrapped():
+    from hapc.materialize import materialize
+
+    want, _ = models.load("gpt", dtype=F64, device="meta")
+    want = materialize(want, seed=5).state_dict()
+    for rank, (error, state) in enumerate(run_distributed(_meta_original, 3, _plan("gpt", 3, "tp"))):
+        assert "module.unwrap()" in error
+        assert_close(state, dict(want), F64, f"rank {rank}: the meta model after unwrap()")
+
+
 def _optimizer_over_the_model(rank, world, plan):
     model, inputs = models.load("mlp", dtype=F64)
     early = torch.optim.SGD(model.parameters(), lr=0.05)  # built before compile, as DDP scripts do

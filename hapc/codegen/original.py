@@ -87,10 +87,14 @@ class Guard:
 
     def check(self, what: str) -> None:
         if self.stale():
-            holds = "the weights it was compiled with" if self.holds_weights else "no weights (meta device)"
+            state = (
+                "that model still holds the weights it was compiled with -- the compiled module has trained its "
+                "own copy since"
+                if self.holds_weights
+                else "that model was built on the meta device and holds no weights -- the compiled module does"
+            )
             raise HapcError(
-                f"{what} of the model given to hapc.compile: that model still holds {holds} -- the compiled "
-                "module has trained its own copy since. Call module.unwrap() on every rank "
+                f"{what} of the model given to hapc.compile: {state}. Call module.unwrap() on every rank "
                 "to write the trained weights back into it (it returns the model), or save and evaluate through "
                 "the module: module.state_dict() (keys as in the model) or module.full_state_dict()"
             )
