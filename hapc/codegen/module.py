@@ -42,6 +42,7 @@ from ..theory.graph import INPUT, PARAM
 from ..theory.instructions import Source
 from ..theory.props import Layout
 from ..theory.triples import Theory
+from .grad_norm import install as install_grad_norms
 from .program import RankProgram
 
 BUCKET_BYTES = 25 * 2**20
@@ -146,6 +147,7 @@ class CompiledModule(nn.Module):
             k: values(k, v).cpu().clone() for k, v in full.items() if k not in targets and k not in elsewhere
         }
         self._setup_grad_sync()
+        self._grad_norms = install_grad_norms(self)  # sharded gradients' norms are the whole ones
 
     # -- running ------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -503,6 +505,11 @@ class CompiledModule(nn.Module):
         self._reset_sync()
         self._unsynced = False
         self._synced = True
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, **kwargs: Any) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over this module's parameters: the single-device total
+        norm on every rank (every rank must call; :mod:`hapc.codegen.grad_norm`)."""
+        return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type, **kwargs)
 
     def full_gradients(self) -> dict[str, torch.Tensor | None]:
         """Every parameter's whole gradient by ``state_dict`` name, gathered from the shards (all

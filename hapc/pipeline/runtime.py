@@ -51,6 +51,8 @@ from torch import nn
 
 from .._util import broadcast_json
 from ..cluster import Cluster
+from ..codegen.grad_norm import install_pipeline as install_pipeline_norms
+from ..codegen.grad_norm import mark_stage as mark_stage_grads
 from ..errors import HapcError
 from ..plan import Plan
 from ..theory.graph import BUFFER, PARAM
@@ -187,6 +189,8 @@ class PipelineModule(nn.Module):
             elsewhere=elsewhere,
             loss_sync="eager",
         )
+        # clip_grad_norm_ over this stage's parameters adds up every stage's gradients (one all-reduce)
+        install_pipeline_norms(self.module, self.job, rank == spec.ranks[self.stage][0])
         self.device = self.module.device
         self.actions: list[Action] = schedule(spec.warmups, spec.num_micro)[self.stage]
         # how each cut's rows travel (HetAuto §5.2): slices held by senders, rows needed by receivers
@@ -220,7 +224,13 @@ class PipelineModule(nn.Module):
             for work in works:
                 work.wait()
         self.compute_seconds = step.compute
+        mark_stage_grads(self.module)
         return self._batch_loss(step.losses, step.weights)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, **kwargs: Any) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over this stage's parameters: the total norm of the whole
+        model's gradients, from every stage, on every rank (every rank calls)."""
+        return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type, **kwargs)
 
     def _micro_weights(self, batches: list[dict[str, Any]]) -> list[float]:
         """Each micro-batch's share of the batch loss: ``1/M``, or ``count_m / sum(count)`` for a
