@@ -15,6 +15,12 @@ conversion between the sharded state and an ordinary single-device ``state_dict`
 * ``full_state_dict()`` gathers the shards into the single-device ``state_dict`` (and, given the
   optimizer, its state keyed by parameter name), so a checkpoint moves between plans, world sizes
   and back to one device; ``load_full_state_dict`` does the reverse.
+* Tools see the user's model (DESIGN §9): ``state_dict()`` / ``load_state_dict()`` speak its keys
+  with whole tensors (``torch.save`` on rank 0, DCP); ``sharded_state_dict()`` describes each shard
+  to ``torch.distributed.checkpoint`` by its ``(offset, size)`` chunk (:mod:`.dcp_shards`);
+  ``unwrap()`` writes the trained weights into the model compiled from, which raises while stale
+  (:mod:`.original`). Inputs the plan takes whole must be alike on every rank: their hashes ride
+  in the loss all-reduce, and a difference raises instead of mixing the ranks' values.
 """
 
 from __future__ import annotations
