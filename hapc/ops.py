@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -246,10 +247,17 @@ def dropout(
         return input * 0.0
     full = tuple(input.shape) if full_shape is None else tuple(full_shape)
     starts = (0,) * input.dim() if starts is None else tuple(starts)
+    return input * _mask_scale(stream, op, p, tuple(input.shape), starts, full, input.device, input.dtype)
+
+
+@torch.compiler.disable  # eager under torch.compile: int64 wrap-around must not be constant-folded
+def _mask_scale(
+    stream: RandomStream, op: str, p: float, shape: tuple, starts: tuple, full: tuple, device: Any, dtype: Any
+) -> torch.Tensor:
+    """``keep / (1 - p)`` as ``dtype``: what the input is multiplied by."""
     with torch.no_grad():
-        keep = keep_mask(stream.key(op), p, tuple(input.shape), starts, full, input.device)
-        scale = keep.to(input.dtype) * (1.0 / (1.0 - p))
-    return input * scale
+        keep = keep_mask(stream.key(op), p, shape, starts, full, device)
+        return keep.to(dtype) * (1.0 / (1.0 - p))
 
 
 def scaled_dot_product_attention(
