@@ -426,3 +426,20 @@ def test_masks_are_the_same_on_cuda() -> None:
     want = hops.dropout(x, 0.2, stream=stream, op="d", starts=(1, 0, 7), full_shape=(9, 33, 80))
     got = hops.dropout(x.cuda(), 0.2, stream=stream, op="d", starts=(1, 0, 7), full_shape=(9, 33, 80))
     assert torch.equal(got.cpu(), want)
+
+
+def test_the_verifier_checks_every_dropout_triple() -> None:
+    """``hapc.verify`` takes a random op's replicated, stream-drawn call as its reference, so every
+    dropout and attention-dropout triple is checked forward and backward (no longer skipped)."""
+    from collections import Counter
+
+    from hapc.theory.verify import verify
+
+    model, inputs = build("bert")
+    theory = derive(trace(model, inputs))
+    wanted = [n.index for n in theory.graph if n.op in ("dropout", "scaled_dot_product_attention")]
+    checked: Counter = Counter()
+    failures = verify(theory, dict(zip(["idx", "targets"], inputs)), [(0.5, 0.3, 0.2)], nodes=wanted, checked=checked)
+    assert not failures, failures[:3]
+    assert {s for op, s in checked if op == "dropout"} >= {"replicate", "d0", "d1", "d2", "linear"}, checked
+    assert {s for op, s in checked if op == "scaled_dot_product_attention"} >= {"replicate", "h0", "h1", "linear"}

@@ -38,7 +38,7 @@ from .simulate import (
     run_collective,
     run_compute,
 )
-from .strategy import OUT, Strategy
+from .strategy import OUT, RNG, Strategy
 from .triples import Theory
 
 #: Ops whose values are random: only their shapes can be checked.
@@ -84,7 +84,17 @@ def _err(parts: Sequence[torch.Tensor], layout: Layout, ref: torch.Tensor) -> fl
         return float("inf")
 
 
-def _is_random(n: RefNode) -> bool:
+def _drawn(theory: Theory, n: RefNode) -> Strategy | None:
+    """The replicated strategy of a random op that draws from the module's stream (dropout):
+    its local call is the op's deterministic reference, so the op's triples are checked."""
+    first = theory.strategies.get(n.index, [None])[0] if n.kind == OP else None
+    local = getattr(first, "local", None)
+    return first if local is not None and ("stream", RNG) in local.kwargs else None
+
+
+def _is_random(n: RefNode, theory: Theory | None = None) -> bool:
+    if theory is not None and _drawn(theory, n) is not None:
+        return False
     if n.op in RANDOM_OPS:
         return True
     if n.op == "dropout":
@@ -116,7 +126,7 @@ def verify(
     failures: list[Failure] = []
     wanted = set(range(len(g))) if nodes is None else set(nodes)
     for n in g:
-        if n.kind != OP or n.index not in wanted or _is_random(n):
+        if n.kind != OP or n.index not in wanted or _is_random(n, theory):
             continue
         for s in theory.strategies[n.index]:
             for r in ratios:
@@ -127,7 +137,7 @@ def verify(
                         checked[(n.op, s.name)] += 1
     for t in theory.triples:
         ins = t.instrs[-1]
-        if isinstance(ins, Collective) and ins.ref in wanted and not _is_random(g[ins.ref]):
+        if isinstance(ins, Collective) and ins.ref in wanted and not _is_random(g[ins.ref], theory):
             for r in ratios:
                 failures += _check_collective(theory, ins, values, tuple(r), gen)
     return failures
@@ -155,7 +165,8 @@ def _check_compute(theory: Theory, n: RefNode, s: Strategy, values: list[Any], r
     # gradients w.r.t. every floating operand but buffers (running statistics, class weights)
     grad_ok = [theory.graph[o].kind != BUFFER for o in n.operands]
     ref_ops = [_leaf(values[o], g) for o, g in zip(n.operands, grad_ok)]
-    y = run_call(default_call(n), ref_ops, _no_marker)
+    drawn = _drawn(theory, n)
+    y = run_call(drawn.local if drawn is not None else default_call(n), ref_ops, _no_marker)
     parts = []
     for i, (v, lay) in enumerate(zip(ref_ops, s.inputs)):
         sizes = ctx.sizes(i, lay.dim) if lay.is_sharded else None
