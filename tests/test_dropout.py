@@ -336,10 +336,13 @@ class _Other(nn.Module):
         super().__init__()
         self.op = op
         self.lin = nn.Linear(4, 4)
+        self.drop2d = nn.Dropout2d(0.1)  # whole channels: not element-wise dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.lin(x)
-        if self.op == "alpha_dropout":
+        if self.op == "dropout2d":
+            h = self.drop2d(h.view(1, 4, 2, 2))
+        elif self.op == "alpha_dropout":
             h = F.alpha_dropout(h, 0.1, training=self.training)
         elif self.op == "rrelu":
             h = F.rrelu(h, training=self.training)
@@ -352,7 +355,7 @@ def _other_job(rank: int, world: int, op: str) -> None:
     hapc.compile(_Other(op), "local-cpu:2", (torch.randn(4, 4),))
 
 
-@pytest.mark.parametrize("op", ["alpha_dropout", "rrelu", "randn_like"])
+@pytest.mark.parametrize("op", ["alpha_dropout", "rrelu", "randn_like", "dropout2d"])
 def test_other_random_ops_are_refused_by_name(op: str) -> None:
     with pytest.raises(DistributedRunError) as err:
         run_distributed(_other_job, 2, op, timeout=30)
