@@ -221,6 +221,12 @@ def _slices_job(rank, world, whole, cuts):
             float(torch.nn.utils.get_total_norm([*grads, plain], p)),
         ]
     assert all(type(g) is ShardedGrad for g in grads)
+    with pytest.raises(hapc.HapcError, match="matrix norm of a gradient the plan shards"):
+        torch.linalg.norm(grads[2], ord=2)  # a slice's spectral norm is nobody's: refused
+    with pytest.raises(hapc.HapcError, match="'nuc' norm"):
+        grads[2].norm(p="nuc")
+    along = torch.linalg.vector_norm(grads[0], 2.0, dim=1)  # along a dim: the slice's rows, plain
+    assert type(along) is torch.Tensor and along.shape == (grads[0].shape[0],)
     assert type(grads[0] * 2) is torch.Tensor and type(grads[0].view(-1)) is torch.Tensor  # nothing propagates
     return out
 

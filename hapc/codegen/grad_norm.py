@@ -203,8 +203,9 @@ def _single(t: torch.Tensor, p: Any, dim: Any, keepdim: bool, dtype: Any, what: 
             return NotImplemented  # a norm along some dims is the slice's own (a plain tensor)
     order = _to_p(p)
     if order is None:
+        kind = "a matrix norm" if p == "matrix" else f"the {p!r} norm"
         raise HapcError(
-            f"{what}(p={p!r}) of a gradient the plan shards cannot be computed from this rank's slice; "
+            f"{what}: {kind} of a gradient the plan shards cannot be computed from this rank's slice; "
             "use a vector norm (what clip_grad_norm_ uses) or gather the gradient with module.full_gradients()"
         )
     (n,) = _global_norms([t], order, dtype)
