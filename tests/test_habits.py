@@ -282,12 +282,12 @@ def test_ranks_given_the_same_masked_targets_train_exactly(world, kind):
         assert_close(grads, want, F64, "grads")
 
 
-def _pipeline_original(rank, world):
+def _two_groups():
+    """Two one-device groups joined by a slow link: hapc.compile pipelines over them."""
     from hapc.cluster import Cluster
 
-    torch.set_num_threads(1)
     link = {"bandwidth": "10 GB/s", "latency": "20 us"}
-    cluster = Cluster.from_dict(
+    return Cluster.from_dict(
         {
             "name": "two-groups",
             "group": [
@@ -301,8 +301,12 @@ def _pipeline_original(rank, world):
             },
         }
     )
+
+
+def _pipeline_original(rank, world):
+    torch.set_num_threads(1)
     model, inputs = models.load("gpt", batch=8, dtype=F64)
-    pm = hapc.compile(model, cluster, inputs, num_micro=4)
+    pm = hapc.compile(model, _two_groups(), inputs, num_micro=4)
     assert type(pm).__name__ == "PipelineModule"
     opt = torch.optim.SGD(pm.parameters(), lr=0.05, momentum=0.9)
     for _ in range(2):
@@ -323,3 +327,28 @@ def test_pipelined_original_model_raises_until_unwrapped():
     for rank, (whole, unwrapped) in enumerate(run_distributed(_pipeline_original, 2, timeout=240)):
         assert_close(whole, want, F64, f"rank {rank}: pipeline state_dict()")
         assert_close(unwrapped, want, F64, f"rank {rank}: pipeline unwrap()")
+
+
+def _pipeline_masked_targets(rank, world, same):
+    torch.set_num_threads(1)
+    model, (idx, targets) = models.load("gpt", batch=8, dtype=F64)
+    pm = hapc.compile(model, _two_groups(), (idx, targets), num_micro=4)
+    g = torch.Generator().manual_seed(0 if same else 1 + rank)
+    masked = targets.masked_fill(torch.rand(targets.shape, generator=g) < 0.3, -100)
+    if same:
+        return pm.train_step(idx, masked).item(), pm.full_gradients()
+    with pytest.raises(hapc.HapcError) as err:
+        pm.train_step(idx, masked)
+    return str(err.value)
+
+
+def test_pipeline_ranks_given_different_targets_are_refused():
+    errors = run_distributed(_pipeline_masked_targets, 2, False, timeout=240)
+    assert len(set(errors)) == 1 and "input 'targets' differs between the ranks" in errors[0]
+    model, (idx, targets) = models.load("gpt", batch=8, dtype=F64)
+    masked = targets.masked_fill(torch.rand(targets.shape, generator=torch.Generator().manual_seed(0)) < 0.3, -100)
+    loss = model(idx, masked)
+    loss.backward()
+    for value, grads in run_distributed(_pipeline_masked_targets, 2, True, timeout=240):
+        assert value == pytest.approx(loss.item(), rel=1e-12)
+        assert_close(grads, {k: p.grad for k, p in model.named_parameters()}, F64, "pipeline grads")

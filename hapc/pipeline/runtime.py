@@ -225,7 +225,7 @@ class PipelineModule(nn.Module):
                 work.wait()
         self.compute_seconds = step.compute
         mark_stage_grads(self.module)
-        return self._batch_loss(step.losses, step.weights)
+        return self._batch_loss(step.losses, step.weights, inputs)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, **kwargs: Any) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over this stage's parameters: the total norm of the whole
@@ -248,13 +248,32 @@ class PipelineModule(nn.Module):
         total = sum(counts)
         return [c / total for c in counts]
 
-    def _batch_loss(self, losses: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    def _batch_loss(self, losses: list[torch.Tensor], weights: list[float], inputs: Sequence[Any]) -> torch.Tensor:
+        """The batch loss on every rank, from the last stage's relay, in one all-reduce of
+        ``[loss, h1, h1^2, ...]`` that also compares a 20-bit hash of each input across the job:
+        every stage reads the inputs from its own copy, so ranks given different batches (per-rank
+        masking of targets) would mix them -- equal hashes iff ``world * sum(h^2) == sum(h)^2``."""
+        from ..codegen.module import _hash_batch
+
         last = self.num_stages - 1
-        value = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.stage == last:
-            value = sum(w * loss.detach().to(torch.float64) for w, loss in zip(weights, losses))
-        dist.broadcast(value, src=self.relay[last], group=self.job)
-        return value
+        named = [(n, x) for n, x in zip(self.input_names, inputs) if isinstance(x, torch.Tensor)]
+        hashes = [float(_hash_batch({n: x}) & (2**20 - 1)) for n, x in named]
+        value = torch.tensor([0.0, *(v for h in hashes for v in (h, h * h))], dtype=torch.float64)
+        if self.stage == last and dist.get_rank() == self.relay[last]:
+            value[0] = sum(w * float(loss.detach().to(torch.float64)) for w, loss in zip(weights, losses))
+        value = value.to(self.device)
+        dist.all_reduce(value, group=self.job)
+        world = dist.get_world_size(self.job)
+        for i, (name, _) in enumerate(named):
+            if world * float(value[2 + 2 * i]) != float(value[1 + 2 * i]) ** 2:
+                raise HapcError(  # the same sums on every rank: the same error everywhere
+                    f"input {name!r} differs between the ranks, but every rank of a pipeline must be given the same "
+                    "global batch (each stage reads the inputs it needs from its own copy), so the loss and the "
+                    f"gradients would mix the ranks' different values. Give every rank the same {name!r} on every "
+                    "call -- draw per-step randomness such as masking targets with -100 from a generator seeded "
+                    "alike on every rank"
+                )
+        return value[0].clone()
 
     # -- messages -------------------------------------------------------------------------------------
     def _isend(self, x: torch.Tensor, dst: int, tag: int, emulated: bool) -> tuple[list[Any], torch.Tensor]:
