@@ -7,15 +7,18 @@
     hapc demo [--model M] [--cluster C]      the README's main job: synthesize, train, compare
 
 MODEL is a zoo alias (``gpt``, ``gpt-1.3b``, ``bert``, ``mlp``, ``cnn``, ``moe``...) or
-``package.module:function`` returning ``(model, example_inputs)``; ``--arg key=value`` passes
-keyword arguments to the factory.
+``package.module:function`` returning ``(model, example_inputs)`` (the current directory is
+importable, as under ``python -m``); ``--arg key=value`` passes keyword arguments to the factory.
 """
 
 from __future__ import annotations
 
+# Only light imports at module level: argument parsing (and so --help and every usage error) must
+# not wait for torch. The commands import what they need.
 import argparse
 import ast
 import json
+import os
 import sys
 import time
 import warnings
@@ -23,34 +26,68 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
 from .errors import HapcError
-from .synth.baselines import BASELINES
+
+#: hapc.synth.baselines.BASELINES, spelled out so that parsing needs no torch (a test keeps them equal)
+BASELINES = ("dp-ev", "dp-cp", "ep", "tp")
 
 
-def _console() -> Console:
+def _console() -> Any:
+    from rich.console import Console
+
     return Console(highlight=False, soft_wrap=True)
+
+
+def _table(title: str) -> Any:
+    from rich.table import Table
+
+    return Table(title=title)
 
 
 def load_model(spec: str, args: Sequence[str] = ()) -> tuple[Any, Any]:
     """``(model, example_inputs)`` from a zoo alias or ``package.module:function``."""
+    import inspect
+
+    from . import models
+
     kwargs = {}
     for a in args:
         key, sep, value = a.partition("=")
-        if not sep:
-            raise HapcError(f"--arg expects key=value, got {a!r}")
+        if not sep or not key.isidentifier():
+            raise HapcError(f"--arg expects key=value with a Python name as key, got {a!r}")
         try:
             kwargs[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             kwargs[key] = value
-    from . import models
-
     try:
-        return models.load(spec, **kwargs)
-    except (KeyError, ImportError, AttributeError) as exc:
-        raise HapcError(str(exc).strip("'\"")) from exc
+        factory = models.factory(spec)
+    except KeyError as exc:
+        raise HapcError(str(exc.args[0])) from None
+    except AttributeError as exc:
+        raise HapcError(str(exc)) from None
+    except ImportError as exc:
+        raise HapcError(f"model {spec!r}: {exc} (the current directory and sys.path are searched)") from None
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin or C callable: let the call check its arguments
+        sig = None
+    if sig is not None:
+        params = sig.parameters.values()
+        named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            unknown = [k for k in kwargs if k not in named]
+            if unknown:
+                raise HapcError(
+                    f"model {spec!r}: unknown --arg {', '.join(unknown)}; it accepts {', '.join(named) or 'none'}"
+                )
+        try:
+            sig.bind(**kwargs)
+        except TypeError as exc:
+            raise HapcError(f"model {spec!r}: {exc} (pass it with --arg KEY=VALUE)") from None
+    out = factory(**kwargs)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise HapcError(f"model {spec!r} must return (model, example_inputs), got {type(out).__name__}")
+    return out
 
 
 # -- hapc rules ---------------------------------------------------------------------------------
@@ -63,7 +100,7 @@ def cmd_rules(ns: argparse.Namespace) -> int:
     if ns.json:
         print(json.dumps(rows, indent=1))
         return 0
-    table = Table(title=f"hapc rules: {len(rows)} ops", show_lines=False)
+    table = _table(f"hapc rules: {len(rows)} ops")
     for col in ("op", "kind", "how it may shard", "linear in"):
         table.add_column(col, overflow="fold")
     for r in rows:
@@ -121,7 +158,7 @@ def cmd_theory(ns: argparse.Namespace) -> int:
         f"{g.get('op', 0)} ops), {g['parameters']:,} parameter values, {g['forward_flops']:.3g} forward flops"
     )
     console.print(f"traced in {t1 - t0:.2f}s, theory derived in {t2 - t1:.2f}s")
-    table = Table(title="Hoare triples")
+    table = _table("Hoare triples")
     table.add_column("")
     for k in ("source", "compute", "comm", "loss", "total"):
         table.add_column(k, justify="right")
@@ -136,7 +173,7 @@ def cmd_theory(ns: argparse.Namespace) -> int:
     console.print(f"{c['properties']} distinct properties")
     for w in caught:
         console.print(f"[yellow]warning:[/] {w.message}")
-    shown = theory.triples if ns.show == "all" else theory.triples[: int(ns.show)]
+    shown = theory.triples if ns.show == "all" else theory.triples[: ns.show]
     if shown:
         console.print(f"\n[bold]triples[/] (first {len(shown)} of {len(theory.triples)}; --show all for every one):")
         for t in shown:
@@ -191,13 +228,13 @@ def cmd_synth(ns: argparse.Namespace) -> int:
         plan.save(ns.json)
     console.print(f"[bold]{ns.model}[/] on {cluster.describe()}")
     console.print(str(plan), markup=False)
-    ratios = Table(title="sharding ratios (per device of each type)")
+    ratios = _table("sharding ratios (per device of each type)")
     for col in ("device type", "devices", "ratio", "share of work", "memory used", "memory"):
         ratios.add_column(col, justify="right")
     for t, r, m in zip(plan.device_types, plan.ratios, plan.predicted["memory"]):
         ratios.add_row(t["name"], str(t["count"]), f"{r:.4f}", f"{r * t['count']:.1%}", _gib(m), _gib(t["memory"]))
     console.print(ratios)
-    stages = Table(title="predicted time per direction")
+    stages = _table("predicted time per direction")
     for col in ("direction", "stages", "communication ms", "compute ms", "total ms"):
         stages.add_column(col, justify="right")
     for d in ("forward", "backward", "gradients"):
@@ -287,8 +324,6 @@ def _profile_job(rank: int, world: int, kwargs: dict[str, Any]) -> dict[str, Any
 
 
 def cmd_profile(ns: argparse.Namespace) -> int:
-    import os
-
     import torch.distributed as dist
 
     from .cluster import Cluster, parse_quantity
@@ -296,7 +331,7 @@ def cmd_profile(ns: argparse.Namespace) -> int:
     console = _console()
     sizes = tuple(int(parse_quantity(s.strip(), "--sizes")) for s in ns.sizes.split(","))
     kwargs = {"sizes": sizes, "reps": ns.reps, "gemm": ns.gemm, "name": ns.name, "out": ns.out}
-    if ns.local:
+    if ns.local is not None:
         from .testing import run_distributed
 
         result = run_distributed(_profile_job, ns.local, kwargs, timeout=600)[0]
@@ -315,7 +350,7 @@ def cmd_profile(ns: argparse.Namespace) -> int:
     cluster = Cluster.load(tomllib_loads(result["toml"]))
     raw = json.loads(result["raw"])
     console.print(cluster.describe())
-    table = Table(title="collectives: t = alpha + beta * bytes (cost-model convention)")
+    table = _table("collectives: t = alpha + beta * bytes (cost-model convention)")
     for col in ("primitive", "alpha (us)", "bandwidth 1/beta", "points (bytes: us)"):
         table.add_column(col, justify="right")
     for p, v in raw["collectives"].items():
@@ -343,6 +378,28 @@ def tomllib_loads(text: str) -> dict[str, Any]:
     return tomllib.loads(text)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _show_count(text: str) -> str | int:
+    if text == "all":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of triples or 'all', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of triples or 'all', got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hapc", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -358,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--strict", action="store_true", help="an op without a rule is an error")
     t.add_argument("--raw", action="store_true", help="skip HAP §4.5 optimisations")
     t.add_argument("--verify", action="store_true", help="check every triple on simulated uneven devices")
-    t.add_argument("--show", default="20", help="how many triples to print ('all' for every one)")
+    t.add_argument("--show", type=_show_count, default=20, help="how many triples to print ('all' for every one)")
     t.set_defaults(fn=cmd_theory)
 
     y = sub.add_parser("synth", help="synthesize the distributed program for a model on a cluster")
@@ -369,21 +426,23 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--json", metavar="PATH", help="write the plan as JSON")
     y.add_argument("--baseline", choices=list(BASELINES), help="price a baseline instead")
     y.add_argument("--segments", default="node", choices=["node", "blocks", "none"], help="search decomposition")
-    y.add_argument("--rounds", type=int, default=4, help="synthesis / LP alternations")
+    y.add_argument("--rounds", type=_positive_int, default=4, help="synthesis / LP alternations")
     y.add_argument("--solver", default="cbc", choices=["cbc", "highs"], help="LP solver")
     y.add_argument("--no-memory", action="store_true", help="ignore device memory limits")
     y.add_argument("--emit-code", metavar="DIR", help="write DIR/rank{r}.py for every rank and DIR/plan.json")
     y.add_argument("--pipeline", action="store_true", help="plan a HARP pipeline over the cluster's device groups")
-    y.add_argument("--micro", type=int, default=8, help="micro-batches per step (with --pipeline)")
+    y.add_argument("--micro", type=_positive_int, default=8, help="micro-batches per step (with --pipeline)")
     y.add_argument("--trace", default="pipeline_trace.json", help="Chrome trace of the simulated step (--pipeline)")
     y.set_defaults(fn=cmd_synth)
 
     f = sub.add_parser("profile", help="measure the running cluster (under torchrun) and write a cluster file")
     f.add_argument("--out", help="write the cluster TOML here")
-    f.add_argument("--local", type=int, metavar="N", help="start N local gloo processes instead of using torchrun")
+    f.add_argument(
+        "--local", type=_positive_int, metavar="N", help="start N local gloo processes instead of using torchrun"
+    )
     f.add_argument("--sizes", default="1KiB,16KiB,128KiB,1MiB,4MiB", help="message sizes for the alpha-beta fits")
-    f.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (median kept)")
-    f.add_argument("--gemm", type=int, default=1024, help="matrix size for the flops measurement")
+    f.add_argument("--reps", type=_positive_int, default=5, help="timed repetitions per measurement (median kept)")
+    f.add_argument("--gemm", type=_positive_int, default=1024, help="matrix size for the flops measurement")
     f.add_argument("--name", default="profiled", help="cluster name")
     f.add_argument("--json", metavar="PATH", help="also write the raw measurements")
     f.set_defaults(fn=cmd_profile)
@@ -392,14 +451,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default="gpt-small", help="zoo alias or package.module:function")
     d.add_argument("--arg", action="append", default=["batch=6"], metavar="KEY=VALUE", help="factory keyword")
     d.add_argument("--cluster", default="local-cpu:3", help="one local process per device of this cluster")
-    d.add_argument("--steps", type=int, default=5, help="training steps")
+    d.add_argument("--steps", type=_positive_int, default=5, help="training steps")
     d.add_argument("--out", default="hapc-demo", help="where the per-rank code is written")
     d.set_defaults(fn=cmd_demo)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    ns = build_parser().parse_args(argv)  # before any heavy import: usage errors and --help are instant
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:  # MODEL may be ./mymod.py, as under python -m
+        sys.path.insert(0, cwd)
     try:
         return ns.fn(ns)
     except HapcError as exc:

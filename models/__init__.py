@@ -56,20 +56,29 @@ ZOO: dict[str, Callable[..., Any]] = {
 }
 
 
-def load(spec: str, **kwargs: Any) -> tuple[Any, Any]:
-    """``(model, example_inputs)`` for a zoo alias or a ``package.module:function`` path."""
+def factory(spec: str) -> Callable[..., Any]:
+    """The factory behind a zoo alias or a ``package.module:function`` path (not called)."""
     if spec in ZOO:
-        return ZOO[spec](**kwargs)
+        return ZOO[spec]
     if ":" not in spec:
         raise KeyError(
             f"unknown model {spec!r}: use a zoo alias ({', '.join(sorted(ZOO))}) or 'package.module:function'"
         )
     mod, _, fn = spec.partition(":")
-    factory = getattr(importlib.import_module(mod), fn)
-    out = factory(**kwargs)
+    module = importlib.import_module(mod)
+    if not hasattr(module, fn):
+        raise AttributeError(f"model {spec!r}: module {mod!r} ({module.__file__}) has no {fn!r}")
+    return getattr(module, fn)
+
+
+def load(spec: str, **kwargs: Any) -> tuple[Any, Any]:
+    """``(model, example_inputs)`` for a zoo alias or a ``package.module:function`` path."""
+    if spec in ZOO:
+        return ZOO[spec](**kwargs)
+    out = factory(spec)(**kwargs)
     if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError(f"{spec} must return (model, example_inputs), got {type(out).__name__}")
     return out
 
 
-__all__ = ["ZOO", "bert", "gpt", "load", "mlp", "moe_block", "vgg", "vit", "wide_resnet"]
+__all__ = ["ZOO", "bert", "factory", "gpt", "load", "mlp", "moe_block", "vgg", "vit", "wide_resnet"]

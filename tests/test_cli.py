@@ -45,3 +45,84 @@ def test_theory_of_gpt_1_3b_on_meta_without_allocating():
 def test_unknown_model_is_a_clear_error(capsys):
     assert main(["theory", "no-such-model"]) == 2
     assert "unknown model" in capsys.readouterr().err
+
+
+# -- usage errors, the current directory, factory arguments (issue 13) --------------------------
+
+# a user's own module: a factory returning (model, example_inputs), as the zoo's do
+MYNET = """
+import torch
+
+
+class Net(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.fc = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.fc(x).square().mean()
+
+
+def factory(width: int = 4, batch: int = 3):
+    return Net(width), (torch.randn(batch, width),)
+"""
+
+
+def _hapc(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hapc", *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["nosuch"], ["theory"], ["synth", "gpt", "--bogus"], ["profile", "--local", "0"]]
+)
+def test_help_and_usage_errors_import_no_torch(argv):
+    """Arguments are parsed before anything heavy is imported (benchmarks/cli_startup.py times it)."""
+    code = f"import sys\nfrom hapc.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit as e:\n"
+    code += "    print(e.code, 'torch' in sys.modules, 'hapc.models' in sys.modules)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    rc, torch_loaded, zoo_loaded = out.stdout.splitlines()[-1].split()
+    assert (rc, torch_loaded, zoo_loaded) == ("0" if argv == ["--help"] else "2", "False", "False"), out.stderr
+
+
+@pytest.mark.parametrize("local", ["0", "-2", "two"])
+def test_profile_local_must_be_positive(local, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["profile", "--local", local])
+    assert exc.value.code == 2
+    assert "--local: expected a positive integer" in capsys.readouterr().err
+
+
+def test_a_model_in_the_current_directory_is_importable(tmp_path):
+    (tmp_path / "mynet_cli.py").write_text(MYNET)
+    out = _hapc("theory", "mynet_cli:factory", "--arg", "width=6", "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["graph"]["parameters"] == 6 * 6 + 6
+
+
+def test_a_misspelt_factory_argument_is_one_line_naming_the_accepted_ones(tmp_path):
+    (tmp_path / "mynet_typo.py").write_text(MYNET)
+    out = _hapc("theory", "mynet_typo:factory", "--arg", "widht=6", cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.strip() == "hapc: error: model 'mynet_typo:factory': unknown --arg widht; it accepts width, batch"
+
+
+def test_zoo_factory_arguments_are_checked_too(capsys):
+    assert main(["theory", "mlp", "--arg", "widht=3"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown --arg widht" in err and "widths" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [("mynet_none:factory", "No module named 'mynet_none'"), ("hapc.models:nofactory", "has no 'nofactory'")],
+)
+def test_a_model_path_that_does_not_resolve_is_a_clear_error(spec, message, capsys):
+    assert main(["theory", spec]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_baselines_match_the_synthesizer():
+    from hapc.cli import BASELINES
+    from hapc.synth.baselines import BASELINES as SYNTH
+
+    assert BASELINES == SYNTH
