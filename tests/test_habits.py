@@ -93,6 +93,13 @@ def test_state_dict_round_trips_through_dcp_and_torch_save(alias, world, kind, t
     dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"))
     single.load_state_dict(sd)
     assert_close(dict(single.state_dict()), want, F64, "DCP checkpoint loaded on one process")
+    if kind == "tp":  # whole tensors into another world size's chunks (sharded_state_dict)
+        other_world = 5 - world
+        loaded = run_distributed(
+            _load_sharded, other_world, alias, _plan(alias, other_world, "tp"), str(tmp_path / "dcp")
+        )
+        for rank, state in enumerate(loaded):
+            assert_close(state, want, F64, f"rank {rank} of {other_world}: whole tensors into sharded_state_dict()")
 
 
 def _save_sharded(rank, world, alias, plan, directory):
