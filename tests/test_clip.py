@@ -5,6 +5,8 @@ default plan of a wide MLP), for norm types 2, 1 and inf; float64, 2 and 3 gloo 
 
 from __future__ import annotations
 
+import copy
+import io
 import math
 
 import pytest
@@ -225,6 +227,9 @@ def _slices_job(rank, world, whole, cuts):
         torch.linalg.norm(grads[2], ord=2)  # a slice's spectral norm is nobody's: refused
     with pytest.raises(hapc.HapcError, match="'nuc' norm"):
         grads[2].norm(p="nuc")
+    buffer = io.BytesIO()
+    torch.save(grads, buffer)  # a logger saving gradients gets plain tensors back, as copies do
+    assert all(type(g) is torch.Tensor for g in [*torch.load(io.BytesIO(buffer.getvalue())), *copy.deepcopy(grads)])
     along = torch.linalg.vector_norm(grads[0], 2.0, dim=1)  # along a dim: the slice's rows, plain
     assert type(along) is torch.Tensor and along.shape == (grads[0].shape[0],)
     assert type(grads[0] * 2) is torch.Tensor and type(grads[0].view(-1)) is torch.Tensor  # nothing propagates

@@ -73,7 +73,17 @@ class GradNorms:
         return mark
 
 
-class ShardedGrad(torch.Tensor):
+class _Plain(torch.Tensor):
+    """Copies and pickles (``copy.deepcopy``, ``torch.save``) are plain tensors of the local values."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
+        return self.as_subclass(torch.Tensor).clone()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
+
+class ShardedGrad(_Plain):
     """This rank's slice of a gradient (or a pipeline stage's gradient): a plain tensor whose
     norms (``torch._foreach_norm``, ``torch.linalg.vector_norm``, ``torch.linalg.norm``,
     ``torch.norm`` / ``Tensor.norm`` over all elements) are those of the whole gradient."""
@@ -94,7 +104,7 @@ class ShardedGrad(torch.Tensor):
             return func(*args, **kwargs)
 
 
-class _StageNorm(torch.Tensor):
+class _StageNorm(_Plain):
     """A pipeline stage's norm (of one gradient, or the stack of them): the norm of a stack of
     these is the norm over every stage (one all-reduce over the job)."""
 
