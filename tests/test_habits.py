@@ -201,7 +201,9 @@ def test_original_model_raises_until_unwrapped(world, kind):
 def _meta_original(rank, world, plan):
     _, inputs = models.load("gpt", dtype=F64)
     model, _ = models.load("gpt", dtype=F64, device="meta")
-    m = hapc.compile(model, CLUSTERS[world], inputs, plan=plan, seed=5)
+    hapc.compile(model, CLUSTERS[world], inputs, plan=plan, seed=5)
+    m = hapc.compile(model, CLUSTERS[world], inputs, plan=plan, seed=5)  # again: nothing trained yet
+    _train(m, inputs, 1)
     with pytest.raises(hapc.HapcError, match="built on the meta device and holds no weights") as err:
         model.state_dict()
     assert m.unwrap() is model
@@ -212,7 +214,9 @@ def test_a_meta_model_raises_until_unwrapped():
     from hapc.materialize import materialize
 
     want, _ = models.load("gpt", dtype=F64, device="meta")
-    want = materialize(want, seed=5).state_dict()
+    want = materialize(want, seed=5)
+    _train(want, models.load("gpt", dtype=F64)[1], 1)
+    want = want.state_dict()
     for rank, (error, state) in enumerate(run_distributed(_meta_original, 3, _plan("gpt", 3, "tp"))):
         assert "module.unwrap()" in error
         assert_close(state, dict(want), F64, f"rank {rank}: the meta model after unwrap()")

@@ -16,7 +16,8 @@ initial weights without any error. So the compiled module (its *owner*) guards t
   :class:`~hapc.errors.HapcError` saying to call ``module.unwrap()`` (or to use the module's own
   ``state_dict()`` / ``full_state_dict()``).
 
-A model built on the meta device holds no weights at all: it is stale from compile on.
+A model built on the meta device holds no weights at all (its tensors have no values, so nothing
+silent can come of using it) until the module trains; then it is stale like any other.
 
 One more habit trains nothing without an error: an optimizer built over ``model.parameters()``
 (before or after compile -- with DDP they are the module's). Those parameters never receive a
@@ -66,11 +67,8 @@ class Guard:
         self.synced = versions(self.owner)
         self.holds_weights = True
 
-    def trained_since(self) -> bool:
-        return self.synced != versions(self.owner)
-
     def stale(self) -> bool:
-        return not self.holds_weights or self.trained_since()
+        return self.synced != versions(self.owner)
 
     @contextlib.contextmanager
     def writing_back(self) -> Iterator[None]:
@@ -91,7 +89,8 @@ class Guard:
                 "that model still holds the weights it was compiled with -- the compiled module has trained its "
                 "own copy since"
                 if self.holds_weights
-                else "that model was built on the meta device and holds no weights -- the compiled module does"
+                else "that model was built on the meta device and holds no weights -- the compiled module has "
+                "drawn and trained its own"
             )
             raise HapcError(
                 f"{what} of the model given to hapc.compile: {state}. Call module.unwrap() on every rank "
@@ -133,10 +132,9 @@ def guard(model: nn.Module, owner: nn.Module) -> None:
 
 
 def ensure_fresh(model: nn.Module) -> None:
-    """Refuse to compile a model whose weights an earlier compiled module has trained past (a meta
-    model not trained yet may be compiled again: it draws the same initial weights)."""
+    """Refuse to compile a model whose weights an earlier compiled module has trained past."""
     g = model.__dict__.get(_ATTR)
-    if g is not None and g.trained_since():
+    if g is not None:
         g.check("hapc.compile")
 
 
