@@ -94,6 +94,8 @@ class ShardedGrad(_Plain):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if any(not issubclass(t, _Plain) for t in types):
+            return NotImplemented  # another subclass (a GlobalLoss to resolve) handles it first
         kwargs = kwargs or {}
         handler = _HANDLERS.get(func)
         with torch._C.DisableTorchFunctionSubclass():
@@ -112,6 +114,8 @@ class _StageNorm(_Plain):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if any(not issubclass(t, _Plain) for t in types):
+            return NotImplemented
         kwargs = kwargs or {}
         norms = _stage_norms(args)
         with torch._C.DisableTorchFunctionSubclass():
