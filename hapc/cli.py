@@ -326,10 +326,11 @@ def _profile_job(rank: int, world: int, kwargs: dict[str, Any]) -> dict[str, Any
 def cmd_profile(ns: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from .cluster import Cluster, parse_quantity
+    from .cluster import Cluster
+    from .quantities import SIZE, parse_quantity
 
     console = _console()
-    sizes = tuple(int(parse_quantity(s.strip(), "--sizes")) for s in ns.sizes.split(","))
+    sizes = tuple(int(parse_quantity(s.strip(), "--sizes", SIZE)) for s in ns.sizes.split(","))
     kwargs = {"sizes": sizes, "reps": ns.reps, "gemm": ns.gemm, "name": ns.name, "out": ns.out}
     if ns.local is not None:
         from .testing import run_distributed

@@ -24,8 +24,9 @@ A cluster is plain data, loaded from TOML (or built in Python, or a named preset
     [collectives]               # optional alpha-beta fits (hapc profile writes them)
     all_gather = { alpha = 1e-4, beta = 2e-10 }
 
-Numbers may carry units (``Gbps``, ``GB/s``, ``TFLOPS``, ``GiB``, ``us``) or be plain SI values
-(bytes, bytes/s, flop/s, seconds).
+Numbers may carry units of the field's kind (``Gbps``, ``GB/s``, ``TFLOPS``, ``GiB``, ``us``) or be
+plain SI values (bytes, bytes/s, flop/s, seconds); a unit of another kind is an error. Files and
+presets are also held to sanity ranges that catch a missing unit (:mod:`hapc.quantities`).
 
 The synthesizer sees *device types* (one per group) with multiplicities: identical devices get
 identical ratios at the optimum (the problem is convex and symmetric), so search and LP sizes do
@@ -44,7 +45,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ClusterError
+from .quantities import BANDWIDTH, FLOPS, PER_BYTE, SIZE, TIME, Kind, check_range, parse_quantity
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -59,36 +60,6 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 PRIMITIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "all_to_all")
-
-_UNITS = {
-    # bandwidth (bytes/s)
-    "bps": 1 / 8, "kbps": 1e3 / 8, "mbps": 1e6 / 8, "gbps": 1e9 / 8, "tbps": 1e12 / 8,
-    "b/s": 1.0, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9, "tb/s": 1e12,
-    # bytes
-    "b": 1.0, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    # flop/s
-    "flops": 1.0, "gflops": 1e9, "tflops": 1e12, "pflops": 1e15,
-    # seconds
-    "s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9,
-}  # fmt: skip
-
-
-def parse_quantity(value: Any, what: str) -> float:
-    """``"10.4 Gbps"`` -> bytes/s, ``"16 GiB"`` -> bytes, numbers unchanged."""
-    if isinstance(value, bool):
-        raise ClusterError(f"{what}: expected a number, got {value!r}")
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([A-Za-z/]*)\s*", value)
-        if m:
-            unit = m.group(2).lower().replace("tflop/s", "tflops").replace("gflop/s", "gflops")
-            if unit == "" or unit in _UNITS:
-                try:
-                    return float(m.group(1)) * (_UNITS[unit] if unit else 1.0)
-                except ValueError:
-                    pass
-    raise ClusterError(f"{what}: cannot read {value!r} (a number, or e.g. '10 Gbps', '16 GiB', '14 TFLOPS', '5 us')")
 
 
 @dataclass(frozen=True)
@@ -158,7 +129,10 @@ class Cluster:
     # -- construction -----------------------------------------------------------------------
     @staticmethod
     def load(source: str | Path | Mapping[str, Any]) -> Cluster:
-        """A preset name (``hap-testbed``, ``local-cpu:3``...), a TOML file, or a dict."""
+        """A preset name (``hap-testbed``, ``local-cpu:3``...), a TOML file, or a dict.
+
+        Files and presets are held to :mod:`hapc.quantities`' sanity ranges; a dict (or
+        :meth:`from_dict`) only when ``check_ranges=True``, as tests scale clusters down to toy sizes."""
         if isinstance(source, Mapping):
             return Cluster.from_dict(source)
         text = str(source)
@@ -176,12 +150,14 @@ class Cluster:
         except tomllib.TOMLDecodeError as exc:
             raise ClusterError(f"cluster file {path}: not valid TOML: {exc}") from exc
         try:
-            return Cluster.from_dict(data)
+            return Cluster.from_dict(data, check_ranges=True)
         except ClusterError as exc:
             raise ClusterError(f"cluster file {path}: {exc}") from exc
 
     @staticmethod
-    def from_dict(data: Mapping[str, Any]) -> Cluster:
+    def from_dict(data: Mapping[str, Any], *, check_ranges: bool = False) -> Cluster:
+        """Validate and build; ``check_ranges``: also refuse magnitudes that look like a unit slip."""
+        r = check_ranges
         _check_keys(data, {"name", "group", "links", "collectives", "virtual", "notes"}, "cluster")
         groups_data = data.get("group")
         if not groups_data:
@@ -199,19 +175,21 @@ class Cluster:
             dph = g.get("devices_per_host", 1)
             if not isinstance(dph, int) or dph <= 0:
                 raise ClusterError(f"{where}: devices_per_host must be a positive integer, got {dph!r}")
-            flops = _positive(g["flops"], f"{where}: flops")
-            memory = _positive(g["memory"], f"{where}: memory")
-            mbw = _positive(g["mem_bandwidth"], f"{where}: mem_bandwidth") if "mem_bandwidth" in g else None
-            ovh = _non_negative(g["op_overhead"], f"{where}: op_overhead") if "op_overhead" in g else None
-            own = _link(g["intra_host"], f"{where}: intra_host") if "intra_host" in g else None
+            flops = _positive(g["flops"], f"{where}: flops", FLOPS, r)
+            memory = _positive(g["memory"], f"{where}: memory", SIZE, r)
+            mbw = (
+                _positive(g["mem_bandwidth"], f"{where}: mem_bandwidth", BANDWIDTH, r) if "mem_bandwidth" in g else None
+            )
+            ovh = _non_negative(g["op_overhead"], f"{where}: op_overhead", TIME, r) if "op_overhead" in g else None
+            own = _link(g["intra_host"], f"{where}: intra_host", r) if "intra_host" in g else None
             groups.append(Group(str(g["name"]), devices, flops, memory, dph, mbw, ovh, own))
         names = [g.name for g in groups]
         if len(set(names)) != len(names):
             raise ClusterError(f"cluster: group names must be unique, got {names}")
         links = data.get("links", {})
         _check_keys(links, {"intra_host", "inter_host", "between"}, "links")
-        intra = _link(links.get("intra_host", {"bandwidth": "100 GB/s", "latency": "5 us"}), "links.intra_host")
-        inter = _link(links.get("inter_host", {"bandwidth": "10 Gbps", "latency": "30 us"}), "links.inter_host")
+        intra = _link(links.get("intra_host", {"bandwidth": "100 GB/s", "latency": "5 us"}), "links.intra_host", r)
+        inter = _link(links.get("inter_host", {"bandwidth": "10 Gbps", "latency": "30 us"}), "links.inter_host", r)
         between = []
         for k, b in enumerate(links.get("between", [])):
             where = f"links.between[{k}]"
@@ -222,14 +200,14 @@ class Cluster:
             for gname in gs:
                 if gname not in names:
                     raise ClusterError(f"{where}: unknown group {gname!r} (groups: {', '.join(names)})")
-            between.append((frozenset(gs), _link(b, where)))
+            between.append((frozenset(gs), _link(b, where, r)))
         coll = []
         for prim, ab in data.get("collectives", {}).items():
             if prim not in PRIMITIVES:
                 raise ClusterError(f"collectives: unknown primitive {prim!r} (one of {', '.join(PRIMITIVES)})")
             _check_keys(ab, {"alpha", "beta"}, f"collectives.{prim}")
-            alpha = _non_negative(ab.get("alpha", 0.0), f"collectives.{prim}.alpha")
-            beta = _non_negative(ab.get("beta", 0.0), f"collectives.{prim}.beta")
+            alpha = _non_negative(ab.get("alpha", 0.0), f"collectives.{prim}.alpha", TIME, r)
+            beta = _non_negative(ab.get("beta", 0.0), f"collectives.{prim}.beta", PER_BYTE, r)
             coll.append((prim, AlphaBeta(alpha, beta)))
         virtual = data.get("virtual", "gpu")
         if virtual not in ("gpu", "host"):
@@ -388,25 +366,26 @@ def _check_keys(data: Any, allowed: set[str], where: str) -> None:
         raise ClusterError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
 
 
-def _positive(value: Any, what: str) -> float:
-    x = parse_quantity(value, what)
+def _positive(value: Any, what: str, kind: Kind, ranges: bool) -> float:
+    x = parse_quantity(value, what, kind)
     if not x > 0 or math.isinf(x):
         raise ClusterError(f"{what}: must be positive, got {value!r}")
-    return x
+    return check_range(x, value, what, kind) if ranges else x
 
 
-def _non_negative(value: Any, what: str) -> float:
-    x = parse_quantity(value, what)
+def _non_negative(value: Any, what: str, kind: Kind, ranges: bool) -> float:
+    x = parse_quantity(value, what, kind)
     if x < 0 or math.isnan(x) or math.isinf(x):
         raise ClusterError(f"{what}: must be zero or positive, got {value!r}")
-    return x
+    return check_range(x, value, what, kind) if ranges else x
 
 
-def _link(data: Any, where: str) -> Link:
+def _link(data: Any, where: str, ranges: bool) -> Link:
     if not isinstance(data, Mapping):
         raise ClusterError(f"{where}: expected {{ bandwidth = ..., latency = ... }}")
     if "bandwidth" not in data:
         raise ClusterError(f"{where}: missing field 'bandwidth'")
     return Link(
-        _positive(data["bandwidth"], f"{where}.bandwidth"), _non_negative(data.get("latency", 0.0), f"{where}.latency")
+        _positive(data["bandwidth"], f"{where}.bandwidth", BANDWIDTH, ranges),
+        _non_negative(data.get("latency", 0.0), f"{where}.latency", TIME, ranges),
     )

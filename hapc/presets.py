@@ -194,4 +194,4 @@ def preset(spec: str):
         data = PRESETS[name](arg or None)
     except ValueError as exc:
         raise ClusterError(f"preset {spec!r}: bad argument {arg!r}") from exc
-    return Cluster.from_dict(data)
+    return Cluster.from_dict(data, check_ranges=True)

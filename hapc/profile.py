@@ -337,7 +337,7 @@ def build_cluster(
             groups[-1]["op_overhead"] = max(r.op_overhead for r in run)
     one_host = len({r.host for r in reports}) == 1
     alpha, beta = collectives.get("broadcast", (0.0, 0.0, None))[:2]
-    link = {"bandwidth": 1.0 / beta if beta > 0 else 1e12, "latency": alpha}
+    link = {"bandwidth": 1.0 / max(beta, 1e-12), "latency": alpha}  # flat timings: 1 TB/s, not infinite
     data = {
         "name": name,
         "group": groups,
