@@ -5,6 +5,7 @@ default plan of a wide MLP), for norm types 2, 1 and inf; float64, 2 and 3 gloo 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import math
@@ -160,7 +161,7 @@ def test_every_norm_path_and_clip_by_value(case):
         assert_close(got, want, F64, f"rank {rank}")
 
 
-# -- accumulation, no_sync, zero_grad(set_to_none=False), an empty slice ----------------------------------
+# -- accumulation, no_sync, zero_grad(set_to_none=False), slices that are empty ----------------------------------
 
 
 def _accumulate(module, params, inputs, micro):
@@ -169,20 +170,12 @@ def _accumulate(module, params, inputs, micro):
     for step in range(3):
         opt.zero_grad(set_to_none=step == 0)  # later steps zero in place
         for k in range(micro):
-            ctx = module.no_sync() if hasattr(module, "no_sync") and k < micro - 1 else _nothing()
+            ctx = module.no_sync() if hasattr(module, "no_sync") and k < micro - 1 else contextlib.nullcontext()
             with ctx:
                 module(*inputs).backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, MAX_NORM)))
         opt.step()
     return norms
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _accumulate_job(rank, world, alias, mkw, cluster, plan):
