@@ -89,10 +89,19 @@ def test_loss_must_be_a_scalar():
         def forward(self, x):
             return x.sum(), x
 
+    class Logits(nn.Module):
+        def forward(self, x):
+            return {"logits": x * 2, "hidden": x}
+
     with pytest.raises(TraceError, match="scalar"):
         hapc.trace(NoReduce(), (torch.randn(3),))
-    with pytest.raises(TraceError, match="return only the loss"):
-        hapc.trace(Pair(), (torch.randn(3),))
+    with pytest.raises(TraceError, match="must return the training loss"):
+        hapc.trace(Logits(), (torch.randn(3),))
+    with pytest.raises(TraceError, match="no tensor under that key"):
+        hapc.trace(Pair(), (torch.randn(3),), loss="loss")
+    # a structured output: the loss is its first scalar, the rest are outputs of the graph
+    g = hapc.trace(Pair(), (torch.randn(3),))
+    assert g.loss.op == "sum" and g.loss_leaf == 0 and len(g.outputs) == 2
 
 
 def test_inplace_on_a_tensor_used_later_is_refused():
@@ -108,8 +117,13 @@ def test_inplace_on_a_tensor_used_later_is_refused():
             y += 1  # rebinds y: harmless
             return y.relu_().sum()
 
+    x = torch.randn(3)
     with pytest.raises(TraceError, match="out of place"):
-        hapc.trace(Bad(), (torch.randn(3),))
+        hapc.trace(Bad(), (x,), capture="fx")
+    # torch.export follows the mutation (later readers of y read the updated value): exact
+    g = hapc.trace(Bad(), (x,))
+    assert g.capture == "export"
+    torch.testing.assert_close(g.run({"x": x}), Bad()(x))
     g = hapc.trace(Fine(), (torch.randn(3),))
     assert [n.op for n in g if n.kind == "op"] == ["mul", "add", "relu", "sum"]
 

@@ -148,6 +148,13 @@ class RefGraph:
         self.nodes = nodes
         self.module = module
         self.input_names = input_names
+        self.capture = "fx"  # how the model was captured: "fx" or "export" (hapc.trace)
+        # what the model returns: its structure with tensors as capture.Leaf positions, the flat
+        # tensors as node indices (None where not computed here), and which of them is the loss
+        self.output_spec: Any = None
+        self.outputs: list[int | None] = [len(nodes) - 1] if nodes else []
+        self.loss_leaf = 0
+        self.aliases: dict[str, str] = {}  # tied weights: state_dict name -> the name the graph uses
         for n in nodes:
             n.users = []
             n.__dict__.pop("_operands", None)

@@ -180,6 +180,9 @@ def _example_device(example_inputs: Any) -> torch.device:
     return next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
 
 
+CAPTURES = ("auto", "fx", "export")
+
+
 @without_gc
 def trace(
     model: nn.Module,
@@ -187,16 +190,28 @@ def trace(
     *,
     leaf_modules: Sequence[type] = (),
     registry: Registry | None = None,
+    capture: str = "auto",
+    loss: str | int | None = None,
 ) -> RefGraph:
     """Trace ``model`` into a reference graph with static shapes, dtypes and flops.
 
     Args:
-        model: an ``nn.Module`` whose ``forward`` returns the scalar training loss. It may live on
-            any device, including ``meta``.
-        example_inputs: positional inputs (tuple/list) or keyword inputs (dict). Only shapes and
-            dtypes are read; meta tensors are fine.
+        model: an ``nn.Module`` whose ``forward`` returns the training loss: a scalar tensor, or
+            inside whatever it returns (a Hugging Face ``ModelOutput``, a dict, a tuple). It may
+            live on any device, including ``meta``.
+        example_inputs: positional inputs (tuple/list) or keyword inputs (dict), as the model is
+            called: ``dict(input_ids=ids, labels=ids)``. Only shapes and dtypes are read; meta
+            tensors are fine. An input left out or given as ``None`` is the constant ``None``.
         leaf_modules: module classes to keep as single ops (give them a rule with
             ``hapc.register_op(MyModule, "...")``).
+        capture: ``"fx"`` (hapc's tracer: fast; keeps leaf modules and ``@hapc.custom_op``
+            functions whole), ``"export"`` (``torch.export``, non-strict: any Python the model
+            runs, as library models need; :mod:`hapc.theory.capture`) or ``"auto"`` (default: fx,
+            and export where fx cannot follow the model's Python).
+        loss: which output is the loss: a key of a returned dict / ``ModelOutput`` or an index
+            into the returned tensors in order; default the ``"loss"`` key if there is one, else the
+            first scalar floating-point tensor returned. The other returned tensors are outputs
+            of the graph too (:attr:`RefGraph.output_spec`).
 
     Raises:
         TraceError: the model cannot be traced statically; the message names the source line.
@@ -204,15 +219,70 @@ def trace(
     registry = registry or default_registry
     if not isinstance(model, nn.Module):
         raise TraceError(f"hapc traces nn.Module instances, got {type(model).__name__}")
+    if capture not in CAPTURES:
+        raise TraceError(f"capture must be one of {CAPTURES}, got {capture!r}")
+    if capture == "export":
+        return _trace_export(model, example_inputs, loss)
+    try:
+        return _trace_fx(model, example_inputs, leaf_modules, registry, loss)
+    except TraceError as fx_error:
+        if capture == "fx" or leaf_modules or _mutation_error(fx_error):
+            raise
+        try:
+            return _trace_export(model, example_inputs, loss)
+        except TraceError as export_error:
+            raise TraceError(f"{fx_error}\n  (torch.export could not capture it either: {export_error})") from fx_error
+
+
+def _mutation_error(exc: TraceError) -> bool:
+    return "in-place" in str(exc) and "replay" in str(exc)
+
+
+def _trace_fx(model: nn.Module, example_inputs: Any, leaf_modules: Sequence[type], registry: Registry,
+              loss: str | int | None) -> RefGraph:  # fmt: skip
     tracer = _Tracer(tuple(leaf_modules), registry, example_inputs)
     try:
-        graph = tracer.trace(model)
+        graph = tracer.trace(model, concrete_args=_none_inputs(model, example_inputs))
     except Exception as exc:
         raise TraceError(_untraceable_message(model, exc)) from exc
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     normalise_modules(gm)
     values, flops = _propagate(gm, model, example_inputs)
-    return _Builder(gm, model, values, flops).run()
+    return _Builder(gm, model, values, flops, loss=loss).run(capture="fx")
+
+
+def _trace_export(model: nn.Module, example_inputs: Any, loss: str | int | None) -> RefGraph:
+    from .capture import export_capture
+
+    cap = export_capture(model, example_inputs)
+    values, flops = _propagate(cap.gm, model, cap.inputs)
+    return _Builder(cap.gm, model, values, flops, loss=loss, output_spec=cap.outputs).run(capture="export")
+
+
+def _none_inputs(model: nn.Module, example_inputs: Any) -> dict[str, Any] | None:
+    """Forward parameters that are ``None`` (given so, or left at a ``None`` default): constants,
+    so that ``if labels is not None:`` takes the branch the call takes."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    given = dict(example_inputs) if isinstance(example_inputs, dict) else {}
+    if not isinstance(example_inputs, dict):
+        ex = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+        names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        given = dict(zip(names, ex))
+    out = {}
+    for name, p in params.items():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if name in given:
+            if given[name] is None:
+                out[name] = None
+        elif p.default is None:
+            out[name] = None
+    return out or None
 
 
 # --------------------------------------------------------------------------------------------
@@ -408,12 +478,23 @@ _MEAN_LOSSES = {"cross_entropy", "nll_loss", "mse_loss"}
 
 
 class _Builder:
-    def __init__(self, gm: fx.GraphModule, model: nn.Module, values: dict, flops: dict):
+    def __init__(
+        self, gm: fx.GraphModule, model: nn.Module, values: dict, flops: dict, *, loss: Any = None,
+        output_spec: Any = None,
+    ):  # fmt: skip
         self.gm, self.model, self.values, self.flops = gm, model, values, flops
+        self.loss_choice, self.output_spec = loss, output_spec
         self.nodes: list[RefNode] = []
         self.env: dict[fx.Node, Any] = {}  # fx node -> Ref / tuple of Refs / constant
         self.elements: dict[tuple[fx.Node, int], Ref] = {}
         self.params = dict(model.named_parameters())
+        # tied weights (an LM head sharing the embedding): one tensor, one node, under the name
+        # named_parameters() gives it first; the other names are aliases (full_state_dict has them)
+        self.canonical: dict[str, str] = {}
+        first: dict[int, str] = {}
+        for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+            self.canonical[name] = first.setdefault(id(t), name)
+        self.attr_refs: dict[str, Ref] = {}
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
 
     def add(self, **fields: Any) -> Ref:
@@ -448,7 +529,7 @@ class _Builder:
             )
         return self.elements[key]
 
-    def run(self) -> RefGraph:
+    def run(self, capture: str = "fx") -> RefGraph:
         input_names = []
         for n in self.gm.graph.nodes:
             v = self.values.get(n)
@@ -462,15 +543,19 @@ class _Builder:
                 if not isinstance(v, torch.Tensor):
                     self.env[n] = v
                     continue
-                kind = PARAM if n.target in self.params and self.params[n.target].requires_grad else BUFFER
-                self.env[n] = self.add(
-                    name=n.target.replace(".", "_"),
+                target = self.canonical.get(n.target, n.target)
+                if target in self.attr_refs:
+                    self.env[n] = self.attr_refs[target]
+                    continue
+                kind = PARAM if target in self.params and self.params[target].requires_grad else BUFFER
+                self.env[n] = self.attr_refs[target] = self.add(
+                    name=target.replace(".", "_"),
                     kind=kind,
                     op=kind,
-                    target=n.target,
+                    target=target,
                     meta=_meta(v),
                     requires_grad=kind == PARAM,
-                    source=n.target,
+                    source=target,
                 )
             elif n.op == "output":
                 self.env[n] = self.arg(n.args[0])
@@ -481,7 +566,9 @@ class _Builder:
             else:
                 self.env[n] = _fold_devices(v)  # sizes, shapes, dtypes, Python numbers
         out = self.env[next(n for n in self.gm.graph.nodes if n.op == "output")]
-        return self.finish(out, input_names)
+        graph = self.finish(out, input_names)
+        graph.capture = capture
+        return graph
 
     def add_op(self, n: fx.Node, value: torch.Tensor) -> Ref:
         is_method = n.op == "call_method"
@@ -587,6 +674,13 @@ class _Builder:
 
     def _out_of_place(self, n: fx.Node) -> str:
         mutated = n.args[0]
+        root = _mutated_root(mutated)
+        if root is not None:
+            raise TraceError(
+                f"in-place {n.target}() at {_source(n)} updates {root}: hapc does not replay in-place "
+                "updates of parameters, buffers or inputs in forward yet; write it out of place, or move "
+                "the update out of forward (e.g. after optimizer.step())"
+            )
         later = [u for u in mutated.users if u is not n and self.order[u] > self.order[n]]
         if later:
             raise TraceError(
@@ -599,15 +693,18 @@ class _Builder:
         return name
 
     def finish(self, out: Any, input_names: list[str]) -> RefGraph:
-        if isinstance(out, (tuple, list, dict)) or not isinstance(out, Ref):
-            raise TraceError(
-                f"the model's forward must return the scalar training loss (a tensor), got "
-                f"{type(out).__name__}; return only the loss, e.g. `return F.cross_entropy(logits, y)`"
-            )
+        leaves: list[Ref] = []
+        if self.output_spec is not None:  # export: a flat tuple of tensors and their structure
+            spec = self.output_spec
+            leaves = [r if isinstance(r, Ref) else None for r in out]
+        else:
+            spec = _ref_structure(out, leaves)
+        index = self._loss_leaf(spec, leaves)
+        out = leaves[index]
         loss = self.nodes[out.index]
         if loss.meta.rank != 0 or not loss.meta.is_float:
             raise TraceError(
-                f"the model's forward must return a scalar floating-point loss, got {loss.meta!r} "
+                f"the model's loss must be a scalar floating-point tensor, got {loss.meta!r} "
                 f"from {loss.source}; reduce it (e.g. .mean() or .sum())"
             )
         keep = _reachable(self.nodes, out.index)
@@ -620,7 +717,81 @@ class _Builder:
             nodes.append(nd)
         _fill_grad_and_cost(nodes)
         graph = RefGraph(nodes, self.model, [n for n in input_names if any(x.name == n for x in nodes)])
+        # outputs besides the loss: the tensors the loss is computed from (logits, hidden states)
+        graph.output_spec = spec
+        graph.loss_leaf = index
+        graph.aliases = {a: c for a, c in self.canonical.items() if a != c}
+        graph.outputs = [remap.get(r.index) if isinstance(r, Ref) else None for r in leaves]
         return graph
+
+    def _loss_leaf(self, spec: Any, leaves: list[Ref | None]) -> int:
+        from .capture import Leaf
+
+        choice = self.loss_choice
+        if isinstance(choice, int) and not isinstance(choice, bool):
+            if not 0 <= choice < len(leaves) or leaves[choice] is None:
+                raise TraceError(f"loss={choice}: the model returns {len(leaves)} tensors")
+            return choice
+        keyed = spec["items"] if isinstance(spec, dict) and "items" in spec else {}
+        key = choice if choice is not None else "loss"
+        if isinstance(keyed.get(key), Leaf):
+            return int(keyed[key])
+        if choice is not None:
+            raise TraceError(f"loss={choice!r}: the model's output has no tensor under that key ({list(keyed)})")
+        for i, r in enumerate(leaves):
+            if r is not None and self.nodes[r.index].meta.rank == 0 and self.nodes[r.index].meta.is_float:
+                return i
+        shapes = [repr(self.nodes[r.index].meta) for r in leaves if r is not None]
+        raise TraceError(
+            f"the model's forward must return the training loss: a scalar floating-point tensor, alone or "
+            f"inside what it returns (a 'loss' key, or the first scalar); it returned tensors {shapes} -- "
+            f"compute the loss in forward (e.g. `return F.cross_entropy(logits, y)`, or pass labels= to a "
+            f"Hugging Face model), or name it with hapc.trace(..., loss=...)"
+        )
+
+
+def _ref_structure(out: Any, leaves: list[Ref | None]) -> Any:
+    """The fx output value with every Ref replaced by its Leaf index (see ``capture.output_structure``)."""
+    from .capture import Leaf
+
+    if isinstance(out, Ref):
+        leaves.append(out)
+        return Leaf(len(leaves) - 1)
+    if isinstance(out, dict):
+        return {"__type__": type(out), "items": {k: _ref_structure(v, leaves) for k, v in out.items()}}
+    if isinstance(out, tuple) and hasattr(out, "_fields"):
+        return type(out)(*(_ref_structure(v, leaves) for v in out))
+    if isinstance(out, (tuple, list)):
+        return type(out)(_ref_structure(v, leaves) for v in out)
+    return out if out is None or isinstance(out, (int, float, bool, str)) else None
+
+
+_VIEW_METHODS = {"view", "reshape", "transpose", "permute", "t", "unsqueeze", "squeeze", "flatten", "narrow",
+                 "select", "expand", "as_strided", "view_as", "unflatten", "detach", "diagonal", "unfold"}  # fmt: skip
+
+
+def _mutated_root(node: fx.Node) -> str | None:
+    """The parameter, buffer or input an in-place op on ``node`` writes into (through views and
+    ``.data``), or None when it writes into a fresh intermediate tensor."""
+    seen = 0
+    while seen < 64:
+        seen += 1
+        if node.op == "get_attr":
+            return f"the parameter or buffer {node.target}"
+        if node.op == "placeholder":
+            return f"the model input {node.target}"
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        if node.op == "call_function" and node.target is getattr and len(node.args) > 1 and node.args[1] == "data":
+            node = node.args[0]
+            continue
+        if name in _VIEW_METHODS or (node.op == "call_function" and node.target is operator.getitem):
+            src = node.args[0]
+            if not isinstance(src, fx.Node):
+                return None
+            node = src
+            continue
+        return None
+    return None
 
 
 class _Tuple:

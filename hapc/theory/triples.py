@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -226,6 +227,8 @@ class _Builder:
     def node_strategies(self, n: RefNode) -> list[Strategy]:
         """Strategies of a node; nodes alike in every way a rule can see (op, shapes, constants,
         operand kinds and users) share one evaluation -- the repeated layers of a model."""
+        if self._is_static_data(n):
+            return self._static_strategies(n)
         key = self._strategy_key(n)
         hit = self._strategy_cache.get(key)
         if hit is None:
@@ -233,6 +236,28 @@ class _Builder:
             if not any(s.local is not None and ("stream", RNG) in s.local.kwargs for s in hit):
                 self._strategy_cache[key] = hit  # a random op's calls name their node: not shared
         return hit
+
+    def _is_static_data(self, n: RefNode) -> bool:
+        """Computed from buffers and constants alone, without gradient (position ids, attention
+        masks): every rank computes it whole. Sharding such a chain buys nothing, and fusing every
+        sharding of every link into its consumers (HAP §4.5) multiplies strategies exponentially
+        in the chain's length."""
+        static = self.__dict__.setdefault("_static_data", {})
+        if n.index not in static:
+            g = self.g
+            static[n.index] = n.kind == BUFFER or (
+                n.kind == OP and not n.requires_grad and all(self._is_static_data(g[o]) for o in n.operands)
+            )
+        return static[n.index]
+
+    def _static_strategies(self, n: RefNode) -> list[Strategy]:
+        rep = Strategy(tuple(REPLICATED for _ in n.operands), REPLICATED, scaled=False, name="replicate")
+        rule = self.registry.get(n.op)
+        if rule is not None:  # the rule's own replicated call, where it has one (random ops)
+            for s in rule.strategies(OpView(n, self.g)):
+                if s.key() == rep.key() and s.local is not None:
+                    return [s]
+        return [rep]
 
     def _strategy_key(self, n: RefNode) -> tuple | None:
         g = self.g
@@ -430,6 +455,10 @@ class _Builder:
         return Theory(g, triples, self.strategies, self.gran.freeze(), dict(raw), self.unsupported)
 
 
+#: the most source combinations fused into one consumer triple (HAP §4.5 (1)); beyond it both stay apart
+FUSE_LIMIT = 64
+
+
 def _fuse_sources(triples: list[Triple], g: RefGraph) -> list[Triple]:
     """HAP §4.5 (1): fuse every empty-precondition triple into its consumers, to a fixpoint.
 
@@ -440,6 +469,7 @@ def _fuse_sources(triples: list[Triple], g: RefGraph) -> list[Triple]:
     the search may place anywhere -- fusing whole input-fed chains would multiply strategies.
     """
     static = _static_nodes(g)
+    kept: dict[int, Triple] = {}  # sources left standalone where fusing them would blow up
     sources = [t for t in triples if not t.pre]
     others = [t for t in triples if t.pre]
     for _ in range(len(g) + 1):
@@ -464,6 +494,13 @@ def _fuse_sources(triples: list[Triple], g: RefGraph) -> list[Triple]:
                 if len(g[p.ref].users) > 1 or p in elsewhere:
                     opts.append(None)
                 options.append(opts)
+            if math.prod(len(o) for o in options) > FUSE_LIMIT:
+                # fusing every combination would multiply triples (static chains of embeddings of
+                # position / token-type ids): keep the consumer and its sources apart, as plain
+                # triples the search places -- the same programs, found by search
+                next_others.append(t)
+                kept.update((id(src), src) for opts in options for src in opts if src is not None)
+                continue
             for choice in itertools.product(*options):
                 fused, used, covered = t, set(), set()
                 for src in choice:
@@ -477,7 +514,9 @@ def _fuse_sources(triples: list[Triple], g: RefGraph) -> list[Triple]:
                 else:
                     (next_sources if not fused.pre else next_others).append(fused)
         sources, others = next_sources, next_others
-    return others + [t for t in sources if DONE in t.post]
+    out = others + [t for t in sources if DONE in t.post]
+    present = {id(t) for t in out}
+    return out + [t for k, t in kept.items() if k not in present]
 
 
 def _static_nodes(g: RefGraph) -> set[int]:

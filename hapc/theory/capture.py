@@ -1,0 +1,562 @@
+"""Capture with ``torch.export``: library models as their documentation calls them (DESIGN §9).
+
+hapc's own tracer (:mod:`hapc.theory.trace`) runs ``torch.fx`` symbolic tracing with shapes
+flowing beside the proxies. It is fast and keeps user leaf modules and ``@hapc.custom_op``
+functions whole, but Python in library code defeats it: ``torch.Size`` built from traced sizes,
+loss modules created inside ``forward``, item assignment, optional arguments left at ``None``.
+``torch.export`` (non-strict, the training IR) runs the model's Python for real on fake tensors
+and records the ATen ops that reach the dispatcher -- whatever Python the model uses.
+
+This module maps that ATen graph back onto the torch-level vocabulary the rules are written in,
+so the theory, the rules and codegen see the same graph either way:
+
+* ``aten.linear(x, w, b)`` becomes ``F.linear(x, w)`` + ``b`` (as :mod:`.normalize` does for
+  ``nn.Linear``: the row-parallel linear needs the bias add apart), ``aten.conv2d`` likewise;
+  ``aten.embedding(w, i)`` becomes ``F.embedding(i, w)``, ``aten.cross_entropy_loss(.., 1, ..)``
+  becomes ``F.cross_entropy(.., reduction="mean")`` (then decomposed into ``sum / count``);
+* ops whose ATen schema is the torch function's (``add``, ``transpose``, ``addmm``, ...) call that
+  function; tensor-method-only ops (``view``, ``expand``, ``to``) become method calls;
+  ``aten.slice`` becomes Python indexing;
+* an in-place op on a fresh tensor (``relu_``, ``x += y`` on an activation) becomes its
+  out-of-place form and later readers of the tensor read the result (functionalisation); an
+  in-place update of a parameter, buffer, input or a view is refused with its source line, except
+  batch norm's ``num_batches_tracked`` counter, which the runtime keeps itself;
+* parameters, buffers and lifted constants become ``get_attr`` nodes named as in the model
+  (tied weights are one parameter); higher-order ``set_grad_enabled`` regions are inlined, their
+  results detached when grad was off.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import TraceError
+
+aten = torch.ops.aten
+
+#: reduction enum of ATen losses
+_REDUCTION = {0: "none", 1: "mean", 2: "sum"}
+
+#: ATen ops that only check or alias and vanish from the graph
+_DROP = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "_assert_async"}
+_IDENTITY = {"alias", "lift_fresh_copy", "lift_fresh", "clone_preserve"}
+
+#: ops that return a view of their first operand (in-place updates through them are refused)
+_VIEWS = {
+    "view", "reshape", "_unsafe_view", "slice", "select", "transpose", "permute", "expand", "t",
+    "unsqueeze", "squeeze", "as_strided", "narrow", "unflatten", "flatten", "diagonal", "alias",
+    "split", "chunk", "unbind", "view_as", "unfold", "detach",
+}  # fmt: skip
+
+#: ATen names that have no torch.* function but are tensor methods
+_METHODS = {"view", "expand", "contiguous", "new_zeros", "new_ones", "new_full", "new_empty", "repeat", "type_as",
+            "expand_as", "view_as", "reshape_as", "float", "double", "half", "bfloat16", "long", "int", "bool",
+            "masked_fill", "index_put", "unfold", "fill"}  # fmt: skip
+
+
+@dataclass
+class Captured:
+    """What :func:`export_capture` hands to the tracer."""
+
+    gm: fx.GraphModule  # torch-level graph, ``get_attr`` named as in the model
+    inputs: dict[str, Any]  # placeholder name -> example value
+    outputs: Any  # the model's output structure with tensor leaves replaced by their index
+
+
+class _Flatten(nn.Module):
+    """Calls the model with keyword inputs and returns its output's tensors as a flat tuple."""
+
+    def __init__(self, model: nn.Module, positional: list[str], spec: list[Any]):
+        super().__init__()
+        self.m = model
+        self.positional = positional
+        self.spec = spec
+
+    def forward(self, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        args = [kwargs.pop(n) for n in self.positional]
+        out = self.m(*args, **kwargs)
+        leaves: list[torch.Tensor] = []
+        self.spec.clear()
+        self.spec.append(output_structure(out, leaves))
+        return tuple(leaves)
+
+
+class Leaf(int):
+    """An output position in :attr:`Captured.outputs`: the i-th tensor of the flat output."""
+
+    def __repr__(self) -> str:
+        return f"<tensor {int(self)}>"
+
+
+def output_structure(out: Any, leaves: list[torch.Tensor]) -> Any:
+    """``out`` with every tensor replaced by its :class:`Leaf` index in ``leaves``; dicts (and
+    ``ModelOutput``, a dict), tuples and lists kept, other objects (caches) become ``None``."""
+    if isinstance(out, torch.Tensor):
+        leaves.append(out)
+        return Leaf(len(leaves) - 1)
+    if isinstance(out, dict):
+        return {"__type__": type(out), "items": {k: output_structure(v, leaves) for k, v in out.items()}}
+    if isinstance(out, (tuple, list)) and not hasattr(out, "_fields"):
+        return type(out)(output_structure(v, leaves) for v in out)
+    if isinstance(out, tuple):  # a namedtuple
+        return type(out)(*(output_structure(v, leaves) for v in out))
+    if out is None or isinstance(out, (int, float, bool, str)):
+        return out
+    return None
+
+
+def rebuild_output(spec: Any, leaves: list[Any]) -> Any:
+    """The inverse of :func:`output_structure` over new tensor values."""
+    if isinstance(spec, Leaf):
+        return leaves[int(spec)]
+    if isinstance(spec, dict) and "__type__" in spec:
+        items = {k: rebuild_output(v, leaves) for k, v in spec["items"].items()}
+        cls = spec["__type__"]
+        try:
+            return cls(**items) if cls is not dict else items
+        except TypeError:
+            return items
+    if isinstance(spec, tuple) and hasattr(spec, "_fields"):
+        return type(spec)(*(rebuild_output(v, leaves) for v in spec))
+    if isinstance(spec, (tuple, list)):
+        return type(spec)(rebuild_output(v, leaves) for v in spec)
+    return spec
+
+
+def bind_keywords(model: nn.Module, example_inputs: Any) -> tuple[dict[str, Any], list[str]]:
+    """Example inputs as ``{forward parameter name: value}`` and the names given positionally."""
+    if isinstance(example_inputs, dict):
+        return dict(example_inputs), []
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    values = tuple(example_inputs)
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    names = []
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            break
+        names.append(p.name)
+    if len(values) > len(names):
+        raise TraceError(
+            f"{type(model).__name__}.forward takes {len(names)} named inputs {names}, got {len(values)} example "
+            "inputs; give forward named parameters or pass example_inputs as a dict"
+        )
+    return dict(zip(names, values)), names[: len(values)]
+
+
+def export_capture(model: nn.Module, example_inputs: Any) -> Captured:
+    """``torch.export`` the model (non-strict) and map the graph onto torch-level ops."""
+    kwargs, positional = bind_keywords(model, example_inputs)
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}  # an optional input left at None stays None
+    seen: set[int] = set()
+    for k, v in kwargs.items():  # `labels=input_ids`: one tensor passed twice must stay two inputs
+        if isinstance(v, torch.Tensor):
+            if id(v) in seen:
+                kwargs[k] = v.clone()
+            seen.add(id(v))
+    spec: list[Any] = []
+    wrapper = _Flatten(model, positional, spec)
+    try:
+        ep = torch.export.export(wrapper, (), kwargs, strict=False)
+    except Exception as exc:
+        from .trace import _untraceable_message
+
+        raise TraceError(_untraceable_message(model, exc)) from exc
+    finally:
+        wrapper.m = None  # type: ignore[assignment]  # drop the reference; the model is the user's
+    return Captured(*_Translator(ep, model).run(), outputs=spec[0] if spec else None)
+
+
+class _Translator:
+    """One pass over the exported graph, emitting a torch-level fx graph."""
+
+    def __init__(self, ep: Any, model: nn.Module):
+        self.ep, self.model = ep, model
+        self.g = fx.Graph()
+        self.env: dict[fx.Node, Any] = {}
+        self.attrs: dict[str, Any] = {}
+        self.inputs: dict[str, Any] = {}
+        self.origin: dict[fx.Node, str] = {}  # new node -> "param"/"buffer"/"input"/view op name
+        self.bn_counters = _batch_norm_counters(model)
+
+    # -- sources ------------------------------------------------------------------------------
+    def run(self) -> tuple[fx.GraphModule, dict[str, Any]]:
+        sig = self.ep.graph_signature
+        specs = {s.arg.name: s for s in sig.input_specs}
+        user_values = dict(self.ep.example_inputs[1]) if self.ep.example_inputs else {}
+        for node in self.ep.graph.nodes:
+            if node.op == "placeholder":
+                self.env[node] = self.source(node, specs[node.name], user_values)
+            elif node.op == "call_function":
+                self.env[node] = self.call(node)
+            elif node.op == "output":
+                outs = node.args[0]
+                user = [o for o, s in zip(outs, sig.output_specs) if s.kind.name == "USER_OUTPUT"]
+                if len(user) != len(outs):
+                    raise TraceError(
+                        f"{type(self.model).__name__} updates parameters or buffers in its forward "
+                        f"({[s.target for s in sig.output_specs if s.kind.name != 'USER_OUTPUT']}); hapc does not "
+                        "replay such updates yet: move them out of forward (after optimizer.step())"
+                    )
+                self.g.output(tuple(self.load(o) for o in user))
+        gm = fx.GraphModule(self.attrs, self.g, type(self.model).__name__)
+        return gm, self.inputs
+
+    def source(self, node: fx.Node, spec: Any, user_values: dict[str, Any]) -> fx.Node:
+        kind = spec.kind.name
+        if kind == "USER_INPUT":
+            name = node.name
+            value = _find_input(name, user_values)
+            out = self.g.placeholder(name)
+            self.inputs[name] = value
+            self.origin[out] = "input"
+            return out
+        target = spec.target
+        if kind in ("PARAMETER", "BUFFER"):
+            fqn = target.removeprefix("m.")
+            self.attrs[fqn] = _lookup(self.model, fqn)
+            out = self.g.get_attr(fqn)
+            self.origin[out] = kind.lower()
+            return out
+        if kind in ("CONSTANT_TENSOR", "CUSTOM_OBJ"):
+            value = self.ep.constants[target]
+            name = "_hapc_constant_" + target.removeprefix("m.").replace(".", "_")
+            self.attrs[name] = value
+            out = self.g.get_attr(name)
+            self.origin[out] = "constant"
+            return out
+        raise TraceError(f"torch.export gave an input of kind {kind} ({target}); hapc does not support it")
+
+    def load(self, a: Any) -> Any:
+        return fx.node.map_arg(a, lambda n: self.env[n])
+
+    # -- ops ----------------------------------------------------------------------------------
+    def call(self, node: fx.Node) -> Any:
+        target = node.target
+        args, kwargs = self.load(node.args), self.load(node.kwargs)
+        if target is operator.getitem:
+            return self.emit(operator.getitem, args, {}, node)
+        if isinstance(target, torch._ops.HigherOrderOperator):
+            return self.higher_order(node, args)
+        if not isinstance(target, torch._ops.OpOverload):
+            return self.emit(target, args, kwargs, node)
+        name = target._schema.name.split("::")[-1]
+        if name in _DROP:
+            return None
+        if name in _IDENTITY:
+            return args[0]
+        inplace = name.endswith("_") and not name.endswith("__") and target._schema.is_mutable
+        if inplace:
+            return self.inplace(node, name[:-1], args, kwargs)
+        out = self.translate(name, target, args, kwargs, node)
+        if name in _VIEWS and isinstance(out, fx.Node):
+            self.origin[out] = "view"
+        return out
+
+    def inplace(self, node: fx.Node, base: str, args: tuple, kwargs: dict) -> Any:
+        """``x.op_(...)``: the out-of-place op, and every later reader of ``x`` reads its result."""
+        mutated = node.args[0]
+        new_x = self.env[mutated]
+        origin = self.origin.get(new_x, "op")
+        if origin in ("buffer", "param") and new_x.target in self.bn_counters and base == "add":
+            return new_x  # batch norm's num_batches_tracked += 1: the runtime counts itself
+        if origin == "constant" and base == "detach":
+            return new_x
+        if origin != "op":
+            what = {"param": "a parameter", "buffer": "a buffer", "input": "a model input", "view": "a view"}.get(
+                origin, "a tensor"
+            )
+            raise TraceError(
+                f"in-place {base}_() on {what} ({getattr(new_x, 'target', new_x)}) at {_where(node)}: hapc "
+                "does not replay in-place updates of parameters, buffers, inputs or views yet; write it out of "
+                "place (y = x.{0}(...)) or move the update out of forward".format(base)
+            )
+        op = getattr(aten, base, None)
+        overload = getattr(op, node.target._overloadname, None) if op is not None else None
+        out = self.translate(base, overload or node.target, args, kwargs, node)
+        self.env[mutated] = out  # functionalise: later readers of x read the updated value
+        return out
+
+    def higher_order(self, node: fx.Node, args: tuple) -> Any:
+        name = getattr(node.target, "_name", str(node.target))
+        if name == "wrap_with_set_grad_enabled":
+            enabled, sub_name, *operands = args
+            return self.inline(getattr(self.ep.graph_module, sub_name.target), operands, detach=not enabled)
+        if name == "wrap_with_autocast":
+            *_, sub_name = args[:5]
+            operands = args[5:]
+            return self.inline(getattr(self.ep.graph_module, args[4].target), operands, detach=False)
+        raise TraceError(f"{name} at {_where(node)}: hapc cannot capture this construct yet")
+
+    def inline(self, sub: fx.GraphModule, operands: list[Any], detach: bool) -> Any:
+        saved = self.env
+        self.env = dict(saved)
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        for p, v in zip(placeholders, operands):
+            self.env[p] = v
+        result: Any = ()
+        for n in sub.graph.nodes:
+            if n.op == "call_function":
+                self.env[n] = self.call(n)
+            elif n.op == "get_attr":
+                raise TraceError("a grad-mode region reads a module attribute: not supported")
+            elif n.op == "output":
+                result = self.load(n.args[0])
+        self.env = {**saved, **{k: v for k, v in self.env.items() if k not in saved}}
+        if detach:
+            result = tuple(self.g.call_method("detach", (r,)) if isinstance(r, fx.Node) else r for r in result)
+        return tuple(result)
+
+    def emit(self, target: Any, args: tuple, kwargs: dict, node: fx.Node, method: bool = False) -> fx.Node:
+        out = self.g.call_method(target, args, kwargs) if method else self.g.call_function(target, args, kwargs)
+        out.meta["stack_trace"] = node.meta.get("stack_trace")
+        return out
+
+    def translate(self, name: str, target: Any, args: tuple, kwargs: dict, node: fx.Node) -> Any:
+        special = _SPECIAL.get(name)
+        if special is not None:
+            return special(self, args, kwargs, node)
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("layout", "pin_memory", "memory_format")}
+        if "device" in kwargs:
+            kwargs["device"] = self.device_arg()
+        fn = getattr(torch, name, None)
+        if name in _METHODS or fn is None:
+            if hasattr(torch.Tensor, name):
+                return self.emit(name, args, kwargs, node, method=True)
+            fn = getattr(F, name, None)
+            if fn is None:
+                return self.emit(target, args, kwargs, node)  # an ATen-only op: its own name for the rules
+        return self.emit(fn, args, kwargs, node)
+
+    def device_arg(self) -> Any:
+        return torch.device("meta")  # shape propagation runs on meta; the builder reads it as "this rank's device"
+
+
+def _where(node: fx.Node) -> str:
+    from .trace import _source
+
+    return _source(node)
+
+
+def _find_input(name: str, values: dict[str, Any]) -> Any:
+    if name in values:
+        return values[name]
+    for k, v in values.items():  # export may suffix a placeholder name (input_ids_1)
+        if name.startswith(k) and name[len(k) :].lstrip("_").isdigit():
+            return v
+    raise TraceError(f"torch.export gave an input {name!r} that matches no example input ({list(values)})")
+
+
+def _lookup(model: nn.Module, fqn: str) -> torch.Tensor:
+    obj: Any = model
+    for part in fqn.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _batch_norm_counters(model: nn.Module) -> set[str]:
+    return {
+        f"{q}.num_batches_tracked" if q else "num_batches_tracked"
+        for q, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    }
+
+
+# -- ops whose torch-level spelling differs from their ATen schema -------------------------------
+Special = Callable[[_Translator, tuple, dict, fx.Node], Any]
+_SPECIAL: dict[str, Special] = {}
+
+
+def special(*names: str) -> Callable[[Special], Special]:
+    def deco(fn: Special) -> Special:
+        for n in names:
+            _SPECIAL[n] = fn
+        return fn
+
+    return deco
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+def _with_bias(t: _Translator, y: fx.Node, bias: Any, node: fx.Node, channel_dims: int = 0) -> fx.Node:
+    if bias is None:
+        return y
+    if channel_dims:
+        bias = t.emit("view", (bias, -1, *([1] * channel_dims)), {}, node, method=True)
+    return t.emit(operator.add, (y, bias), {}, node)
+
+
+@special("linear")  # the bias add apart, as nn.Linear is normalised (row-parallel linear)
+def _linear(t, args, kwargs, node):
+    return _with_bias(t, t.emit(F.linear, (args[0], args[1]), {}, node), _arg(args, kwargs, 2, "bias"), node)
+
+
+@special("conv1d", "conv2d", "conv3d")
+def _conv(t, args, kwargs, node):
+    name = node.target._schema.name.split("::")[-1] if hasattr(node.target, "_schema") else "conv2d"
+    fn = getattr(F, name)
+    rest = tuple(args[3:])
+    y = t.emit(fn, (args[0], args[1], None, *rest), {}, node)
+    return _with_bias(t, y, _arg(args, kwargs, 2, "bias"), node, channel_dims=int(name[-2]))
+
+
+@special("embedding")  # aten.embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse)
+def _embedding(t, args, kwargs, node):
+    pad = _arg(args, kwargs, 2, "padding_idx", -1)
+    return t.emit(F.embedding, (args[1], args[0]), {"padding_idx": None if pad == -1 else pad}, node)
+
+
+@special("layer_norm")
+def _layer_norm(t, args, kwargs, node):
+    a = list(args[:5])
+    return t.emit(F.layer_norm, tuple(a), {}, node)
+
+
+@special("batch_norm")  # aten: (x, w, b, running_mean, running_var, training, momentum, eps, cudnn)
+def _batch_norm(t, args, kwargs, node):
+    x, w, b, rm, rv, training, momentum, eps = args[:8]
+    return t.emit(F.batch_norm, (x, rm, rv, w, b, training, momentum, eps), {}, node)
+
+
+@special("cross_entropy_loss")  # (input, target, weight, reduction enum, ignore_index, label_smoothing)
+def _cross_entropy(t, args, kwargs, node):
+    x, y = args[0], args[1]
+    kw = {
+        "weight": _arg(args, kwargs, 2, "weight"),
+        "reduction": _REDUCTION[_arg(args, kwargs, 3, "reduction", 1)],
+        "ignore_index": _arg(args, kwargs, 4, "ignore_index", -100),
+        "label_smoothing": _arg(args, kwargs, 5, "label_smoothing", 0.0),
+    }
+    return t.emit(F.cross_entropy, (x, y), kw, node)
+
+
+@special("nll_loss", "nll_loss_nd")
+def _nll(t, args, kwargs, node):
+    kw = {
+        "weight": _arg(args, kwargs, 2, "weight"),
+        "reduction": _REDUCTION[_arg(args, kwargs, 3, "reduction", 1)],
+        "ignore_index": _arg(args, kwargs, 4, "ignore_index", -100),
+    }
+    return t.emit(F.nll_loss, (args[0], args[1]), kw, node)
+
+
+@special("mse_loss")
+def _mse(t, args, kwargs, node):
+    return t.emit(
+        F.mse_loss, (args[0], args[1]), {"reduction": _REDUCTION[_arg(args, kwargs, 2, "reduction", 1)]}, node
+    )
+
+
+@special("dropout")
+def _dropout(t, args, kwargs, node):
+    return t.emit(F.dropout, (args[0],), {"p": float(args[1]), "training": bool(args[2])}, node)
+
+
+@special("gelu")
+def _gelu(t, args, kwargs, node):
+    return t.emit(F.gelu, (args[0],), {"approximate": _arg(args, kwargs, 1, "approximate", "none")}, node)
+
+
+@special("silu", "hardsigmoid", "hardswish", "relu6", "mish", "hardtanh", "elu", "leaky_relu", "softplus")
+def _activation(t, args, kwargs, node):
+    name = node.target._schema.name.split("::")[-1].removesuffix("_")
+    return t.emit(getattr(F, name), tuple(args), dict(kwargs), node)
+
+
+@special("pad")  # aten.pad(x, pad, mode, value)
+def _pad(t, args, kwargs, node):
+    return t.emit(F.pad, (args[0], list(args[1])), {"mode": _arg(args, kwargs, 2, "mode", "constant"),
+                                                     "value": _arg(args, kwargs, 3, "value")}, node)  # fmt: skip
+
+
+@special("scaled_dot_product_attention")
+def _sdpa(t, args, kwargs, node):
+    names = ("attn_mask", "dropout_p", "is_causal")
+    kw = {n: v for n, v in zip(names, args[3:6])}
+    kw.update({k: v for k, v in kwargs.items() if k in ("scale", "enable_gqa", *names)})
+    if not kw.get("enable_gqa"):
+        kw.pop("enable_gqa", None)
+    return t.emit(F.scaled_dot_product_attention, tuple(args[:3]), kw, node)
+
+
+@special("slice")  # aten.slice(x, dim, start, end, step) -> x[:, ..., start:end:step]
+def _slice(t, args, kwargs, node):
+    x = args[0]
+    dim = _arg(args, kwargs, 1, "dim", 0)
+    start, end = _arg(args, kwargs, 2, "start"), _arg(args, kwargs, 3, "end")
+    step = _arg(args, kwargs, 4, "step", 1)
+    rank = node.args[0].meta["val"].dim()
+    dim = dim + rank if dim < 0 else dim
+    if end is not None and end >= 2**62:
+        end = None
+    index = (slice(None),) * dim + (slice(start, end, None if step == 1 else step),)
+    return t.emit(operator.getitem, (x, index), {}, node)
+
+
+@special("index")  # aten.index(x, [i0, None, i2]) -> x[i0, :, i2]
+def _index(t, args, kwargs, node):
+    index = tuple(slice(None) if i is None else i for i in args[1])
+    return t.emit(operator.getitem, (args[0], index), {}, node)
+
+
+@special("to", "_to_copy")  # dtype conversions only: every tensor already lives on the rank's device
+def _to(t, args, kwargs, node):
+    dtype = kwargs.get("dtype")
+    if dtype is None:
+        dtype = next((a for a in args[1:] if isinstance(a, torch.dtype)), None)
+    if dtype is None:
+        return args[0]
+    return t.emit("to", (args[0], dtype), {}, node, method=True)
+
+
+@special("detach")
+def _detach(t, args, kwargs, node):
+    return t.emit("detach", (args[0],), {}, node, method=True)
+
+
+@special("split", "split_with_sizes")  # aten.split.Tensor(x, size, dim)
+def _split(t, args, kwargs, node):
+    return t.emit(torch.split, (args[0], args[1], _arg(args, kwargs, 2, "dim", 0)), {}, node)
+
+
+@special("t")
+def _t(t, args, kwargs, node):
+    return t.emit(torch.transpose, (args[0], 0, 1) if node.args[0].meta["val"].dim() == 2 else (args[0], 0, 0), {},
+                  node)  # fmt: skip
+
+
+@special("__and__", "__or__", "__xor__")
+def _bitwise(t, args, kwargs, node):
+    name = node.target._schema.name.split("::")[-1].strip("_")
+    return t.emit(getattr(torch, f"bitwise_{name}"), tuple(args), {}, node)
+
+
+@special("arange")
+def _arange(t, args, kwargs, node):
+    kw = {k: v for k, v in kwargs.items() if k == "dtype"}
+    kw["device"] = t.device_arg()
+    return t.emit(torch.arange, tuple(args), kw, node)
+
+
+@special("zeros", "ones", "full", "empty", "zeros_like", "ones_like", "full_like", "empty_like", "rand", "randn",
+         "scalar_tensor", "tensor")  # fmt: skip
+def _factory(t, args, kwargs, node):
+    name = node.target._schema.name.split("::")[-1]
+    kw = {k: v for k, v in kwargs.items() if k in ("dtype", "fill_value", "requires_grad")}
+    if not name.endswith("_like"):
+        kw["device"] = t.device_arg()
+    return t.emit(getattr(torch, name), tuple(args), kw, node)
