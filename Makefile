@@ -7,7 +7,7 @@ STAMP := $(VENV)/.hapc-installed
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint fuzz clean
+.PHONY: setup demo test lint fuzz mutate clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,12 @@ test: $(STAMP)
 # the equivalence fuzzer's long profile: 60 batches of 8 random models x clusters, counts printed
 fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=fuzz OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -s tests/test_fuzz.py
+
+# mutation testing (issue 16): plants each mutant of benchmarks/mutants.toml in a temporary copy,
+# runs the tests named beside it, writes benchmarks/MUTATION.md; MUTATE_ARGS="-k astar" for some
+MUTATE_ARGS ?=
+mutate: $(STAMP)
+	$(BIN)/python benchmarks/mutate.py $(MUTATE_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

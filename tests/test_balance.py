@@ -237,3 +237,80 @@ def test_model_too_big_for_memory_names_every_device():
         hapc.synthesize(model, tiny, inputs)
     msg = str(err.value)
     assert "a: needs" in msg and "b: needs" in msg and "has" in msg
+
+
+# -- issue 16: properties that kill the mutants benchmarks/mutants.toml plants in the LP and loop
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(mi=random_models(max_ops=3), cluster=random_clusters(2, 4), data=st.data())
+def test_lp_ratios_fit_every_device_types_memory(mi, cluster, data):
+    """Each device type gets its own capacity (drawn between a tenth and twice its need at the
+    proportional ratios); whatever the LP returns fits every type's memory."""
+    model, inputs = mi
+    theory = hapc.derive(hapc.trace(model, inputs))
+    cm = CostModel(cluster)
+    res = synthesize_program(SynthSpace(theory, cm.m), cm, cm.proportional_ratios())
+    costs = [[theory.triples[k].cost for k in part] for part in res.parts]
+    need = [sum(m) for m in zip(*[cm.memory(p, cm.proportional_ratios()) for p in costs])]
+    groups = []
+    for g, n in zip(cluster.to_dict()["group"], need):
+        groups.append({**g, "memory": max(1.0, n * data.draw(st.floats(0.1, 2.0)))})
+    cm = CostModel(Cluster.from_dict({**cluster.to_dict(), "group": groups}))
+    try:
+        lp = solve_ratios(cm, costs)
+    except hapc.InfeasibleError:
+        return
+    mem = [sum(x) for x in zip(*[cm.memory(p, lp.ratios) for p in costs])]
+    for t, (m, dt) in enumerate(zip(mem, cm.types)):
+        assert m <= dt.memory * (1 + 1e-6) + 1e-6, (t, m, dt.memory, lp.ratios)
+
+
+def test_qb_loop_returns_the_best_round(monkeypatch):
+    """A round worse than an earlier one (its search restricted to Megatron's programs)
+    must not replace the best pair: the loop returns the least-cost round it saw."""
+    from hapc.balance import loop
+    from hapc.synth.baselines import restrict
+    from hapc.synth.synthesizer import shardable_triples
+
+    model, inputs = _mlp(width=512, batch=64)
+    theory = hapc.derive(hapc.trace(model, inputs))
+    cm = CostModel(_cluster("100 GB/s"))
+    tp = SynthSpace(theory, cm.m, allowed=restrict(theory, "tp", cm.m) & shardable_triples(theory, cm.m))
+    real = loop._synthesize_at
+    calls = []
+
+    def scripted(space, model, ratios, price, progress):  # round 2 searches Megatron's programs only
+        calls.append(ratios)
+        return real(tp if len(calls) == 2 else space, model, ratios, price, progress)
+
+    monkeypatch.setattr(loop, "_synthesize_at", scripted)
+    best = loop.balance(SynthSpace(theory, cm.m), cm, rounds=3, initial=cm.even_ratios())
+    costs = [r.cost for r in best.rounds]
+    assert len(costs) >= 2 and max(costs) > min(costs) * (1 + 1e-6), costs  # a worse round happened
+    assert best.cost == pytest.approx(min(costs), rel=1e-12)
+    k = costs.index(min(costs))
+    assert best.ratios == best.rounds[k].ratios_out
+    assert best.cost == pytest.approx(program_cost(theory, cm, best.result.parts, best.ratios), rel=1e-9)
+
+
+@pytest.mark.parametrize("rounds", [1, 4])
+def test_tight_but_feasible_model_gets_a_plan(rounds):
+    """Memory below what the fastest (replicated) program needs but above a sharded one's: the
+    memory-price retry must find the sharded program (also when only one Q/B round is allowed)."""
+    from hapc.balance.loop import balance
+
+    model, inputs = _mlp(width=256, batch=16)  # parameters weigh: sharding them saves memory
+    theory = hapc.derive(hapc.trace(model, inputs))
+    roomy = CostModel(_cluster("100 GB/s"))
+    free = balance(SynthSpace(theory, roomy.m), roomy)
+    costs = [[theory.triples[k].cost for k in part] for part in free.result.parts]
+    need = max(sum(m) for m in zip(*[roomy.memory(p, free.ratios) for p in costs]))
+    groups = [{**g, "memory": need * 0.7} for g in _cluster("100 GB/s").to_dict()["group"]]
+    cm = CostModel(Cluster.from_dict({**_cluster("100 GB/s").to_dict(), "group": groups}))
+    best = balance(SynthSpace(theory, cm.m), cm, rounds=rounds)
+    assert best.memory_price > 0
+    costs = [[theory.triples[k].cost for k in part] for part in best.result.parts]
+    mem = [sum(x) for x in zip(*[cm.memory(p, best.ratios) for p in costs])]
+    assert all(m <= dt.memory * (1 + 1e-6) for m, dt in zip(mem, cm.types)), (mem, need)
+    assert best.cost >= free.cost  # it pays for fitting

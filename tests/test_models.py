@@ -92,9 +92,16 @@ def test_paper_size_synthesizes_on_hap_testbed(alias: str) -> None:
     assert graph.param_count() == n_params(model)
     plan = hapc.synthesize(model, "hap-testbed:8", inputs, segments="node")
     assert 0 < plan.efficiency <= 1
+    # hapc's plan fits every device type's memory, always
+    need = plan.predicted["memory"]
+    assert all(n <= t["memory"] * (1 + 1e-6) for n, t in zip(need, plan.device_types)), (need, plan.device_types)
     try:
         dp = hapc.synthesize(model, "hap-testbed:8", inputs, baseline="dp-ev")
-    except InfeasibleError:  # DP does not fit in memory: hapc found a plan that does
+    except InfeasibleError as exc:  # data parallelism does not fit: it must say so, by device
+        assert "needs" in str(exc) and "has" in str(exc), exc
+        # ... and hapc's plan is then one that shards parameters (it cannot be plain DP)
+        graph_params = [n.index for n in graph.params]
+        assert any(any(lay != "R" for lay in plan.layout_of(i)) for i in graph_params)
         return
     assert plan.time <= dp.time * (1 + 1e-9)
 
