@@ -178,6 +178,11 @@ def test_forward_takes_the_global_batch_or_the_local_share():
 def _zero(opt, how):
     if how != "keep":  # "keep": the second step accumulates onto the first step's gradients
         opt.zero_grad(set_to_none=how == "set_to_none")
+    if how == "mixed":  # zeroed in place, but one gradient replaced by a new tensor: the bucket
+        for p in opt.param_groups[0]["params"]:  # then holds views and one gradient of its own
+            if p.grad is not None:
+                p.grad = torch.zeros_like(p)
+                break
 
 
 def _accumulate(rank, world, cluster, plan, micro, how, no_sync):
@@ -216,7 +221,14 @@ def _single_accumulate(micro, how):
 @pytest.mark.parametrize("buckets", ["one", "many"])
 @pytest.mark.parametrize(
     "how,no_sync",
-    [("set_to_none", False), ("zeroed_in_place", False), ("set_to_none", True), ("keep", True), ("keep", False)],
+    [
+        ("set_to_none", False),
+        ("zeroed_in_place", False),
+        ("mixed", False),
+        ("set_to_none", True),
+        ("keep", True),
+        ("keep", False),
+    ],
 )
 def test_gradient_accumulation_over_backward_passes(how, no_sync, buckets, monkeypatch):
     """Replicated parameters' gradients are synced per backward (or once, after backwards under

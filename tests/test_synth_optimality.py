@@ -78,3 +78,22 @@ def test_astar_matches_exhaustive_on_branchy_graphs(seed):
     best = exhaustive_min_cost(theory, cm, ratios, space.allowed)
     assert math.isclose(found.cost, best, rel_tol=1e-9, abs_tol=1e-15), (found.cost, best)
     assert math.isclose(program_cost(theory, cm, found.parts, ratios), found.cost, rel_tol=1e-9, abs_tol=1e-15)
+
+
+@pytest.mark.parametrize("seed", [6, 8, 13, 17, 34, 39])  # branchy cases whose TP program communicates
+def test_astar_prices_forced_collectives_exactly(seed):
+    """Restricted to Megatron's tensor-parallel triples the program must communicate, forward and
+    backward, several times in a row: the search's running stage accounting must equal the cost
+    model's on its program, and its cost the exhaustive least over the same triples."""
+    from hapc.synth.baselines import restrict
+    from hapc.synth.synthesizer import shardable_triples
+
+    model, inputs, cluster, ratios, variants = branchy_case(seed)
+    theory = hapc.derive(hapc.trace(model, inputs), variants=variants)
+    cm = CostModel(cluster)
+    allowed = restrict(theory, "tp", cm.m) & shardable_triples(theory, cm.m)
+    space = SynthSpace(theory, cm.m, "none", allowed=allowed)
+    found = synthesize_program(space, cm, ratios)
+    assert math.isclose(program_cost(theory, cm, found.parts, ratios), found.cost, rel_tol=1e-9, abs_tol=1e-15)
+    best = exhaustive_min_cost(theory, cm, ratios, space.allowed)
+    assert math.isclose(found.cost, best, rel_tol=1e-9, abs_tol=1e-15), (found.cost, best)
