@@ -37,6 +37,8 @@ def synthesize(
     variants: Sequence[str] = ("padded", "grouped"),
     param_comm: bool = False,
     leaf_modules: Sequence[type] = (),
+    capture: str = "auto",
+    loss: str | int | None = None,
     progress: Progress | None = None,
 ) -> Plan:
     """Synthesize the distributed program and sharding ratios for ``model`` on ``cluster``.
@@ -55,12 +57,13 @@ def synthesize(
             program is still synthesized for them.
         memory: respect each device's memory.
         strict / sfb / variants / param_comm: passed to :func:`hapc.derive`.
+        capture / loss: passed to :func:`hapc.trace` (how the model is captured; which output is the loss).
     """
     from .theory import derive, trace
 
     cluster = Cluster.load(cluster) if not isinstance(cluster, Cluster) else cluster
     t0 = time.perf_counter()
-    graph = trace(model, example_inputs, leaf_modules=leaf_modules)
+    graph = trace(model, example_inputs, leaf_modules=leaf_modules, capture=capture, loss=loss)
     t1 = time.perf_counter()
     theory = derive(graph, strict=strict, sfb=sfb, variants=variants, param_comm=param_comm)
     t2 = time.perf_counter()
@@ -209,6 +212,9 @@ def compile(
     num_micro: int = 8,
     schedule: str = "h1f1b",
     loss_sync: str = "lazy",
+    capture: str = "auto",
+    loss: str | int | None = None,
+    outputs: str = "whole",
     **options: Any,
 ) -> Any:
     """This rank's part of ``model`` under ``plan`` (synthesized here when not given).
@@ -245,6 +251,14 @@ def compile(
             (:class:`hapc.collectives.LossChannel`) -- a background all-reduce during the forward
             costs CPU training 5-10% of a step. ``"eager"``: at the end of the forward (what NCCL
             and pipeline stages always do).
+        capture / loss: how the model is captured and which of its outputs is the loss (see
+            :func:`hapc.trace`); example inputs may be keyword arguments (a dict), and the module
+            is then called with them (``module(**batch)``).
+        outputs: the model's other returned tensors (logits, hidden states), handed back in the
+            structure the model returns (a ``ModelOutput``, dict or tuple, the loss in its place):
+            ``"whole"`` (default: gathered to the full tensor on every rank), ``"local"`` (this rank's
+            piece as the program computed it, no communication) or ``"loss"`` (``None``: no cost).
+            They are for metrics: a backward through them raises (compute loss terms in forward).
         options: for synthesis when no plan is given -- ``segments``, ``rounds``, ``solver``,
             ``memory``, ``baseline``, ``ratios`` (see :func:`synthesize`) and the theory options
             ``sfb``, ``variants``, ``param_comm``, ``strict`` (see :func:`hapc.derive`).
@@ -293,7 +307,7 @@ def compile(
             f"cluster {cluster.name!r} has {cluster.num_devices} devices but the job has {world} processes; "
             f"start {cluster.num_devices} processes or describe the {world} you have"
         )
-    graph = trace(model, example_inputs, leaf_modules=leaf_modules)
+    graph = trace(model, example_inputs, leaf_modules=leaf_modules, capture=capture, loss=loss)
     _refuse_random_ops(graph, world)
     theory_opts = {"sfb": True, "variants": ("padded", "grouped"), "param_comm": False, "strict": False}
     source = plan.options if plan is not None else options
@@ -303,7 +317,9 @@ def compile(
     if plan is None:
         plan = _agree_on_plan(theory, cluster, group, options, theory_opts)
     plan.check(graph=graph, cluster=cluster, world_size=world)
-    module = CompiledModule(model, theory, plan, group=group, device=device, seed=seed, init=init, loss_sync=loss_sync)
+    module = CompiledModule(
+        model, theory, plan, group=group, device=device, seed=seed, init=init, loss_sync=loss_sync, outputs=outputs
+    )
     guard(model, module)  # the model raises while stale: module.unwrap() writes the trained weights back
     return module
 

@@ -140,7 +140,15 @@ def test_leaf_modules_and_multiheadattention():
 
     x = torch.randn(3, 4, 8, dtype=torch.float64)
     m = Net().double()
+    # by default torch.nn modules without a functional form are traced into the ops they call,
+    # so their parameters are the model's (sharded, synchronised) and every op has a rule
     graph = hapc.trace(m, (x,))
+    assert not any("MultiheadAttention" in n.op for n in graph)
+    assert {"mha.in_proj_weight", "mha.out_proj.weight"} <= {n.target for n in graph.params}
+    theory = hapc.derive(graph, strict=True)
+    assert not hapc.verify(theory, {"x": x}, [[0.5, 0.3, 0.2]])
+    # declared a leaf, it stays one op with its own rule
+    graph = hapc.trace(m, (x,), leaf_modules=(nn.MultiheadAttention,))
     node = next(n for n in graph if "MultiheadAttention" in n.op)
     assert node.out_index == 0 and node.target is m.mha
     theory = hapc.derive(graph)

@@ -74,6 +74,7 @@ class CompiledModule(nn.Module):
         init: Init | None = None,
         elsewhere: Collection[str] = (),
         loss_sync: str = "lazy",
+        outputs: str = "whole",
     ):
         """``elsewhere``: ``state_dict`` names another module owns (the other stages of a pipeline):
         not kept here and left out of :meth:`full_state_dict`. ``loss_sync``: when the all-reduce
@@ -98,7 +99,9 @@ class CompiledModule(nn.Module):
         self._positional = _positional_names(_signature(model), theory.graph.input_names)
         self._free_dims = _sharded_input_dims(plan)
         self.device = torch.device(device) if device is not None else _default_device(group)
-        rp = RankProgram(theory, plan, self.rank)
+        if outputs not in ("whole", "local", "loss"):
+            raise HapcError(f"outputs must be 'whole', 'local' or 'loss', got {outputs!r}")
+        rp = RankProgram(theory, plan, self.rank, outputs=outputs)
         rp.build_graph()
         root = nn.Module()
         root.group = group  # type: ignore[assignment]
@@ -172,6 +175,10 @@ class CompiledModule(nn.Module):
         checks += self._whole_input_checks(bound)
         with C.deferring(self._channel, checks):
             out = self.program(*[bound[n] for n in names], *whole)
+        extras: tuple = ()
+        if isinstance(out, tuple):  # the loss, then the model's other returned tensors
+            out, *rest = out
+            extras = tuple(rest)
         if self.rng.drops:  # every forward that may drop draws new masks (each accumulated micro-batch too)
             self.rng.step += 1
         if checks and not isinstance(out, C.GlobalLoss) and isinstance(out, torch.Tensor) and out.dim() == 0:
@@ -185,7 +192,20 @@ class CompiledModule(nn.Module):
         for key in self._counters:
             if key in self._unused:
                 self._unused[key] += 1
-        return out
+        return self._structured(out, extras)
+
+    def _structured(self, loss: torch.Tensor, extras: tuple) -> Any:
+        """What the model returns (a ``ModelOutput``, dict, tuple or the loss alone), the loss and
+        the other tensors (see ``compile(outputs=)``) in their places."""
+        graph = self.theory.graph
+        spec = graph.output_spec
+        if spec is None or (isinstance(spec, int) and not extras):
+            return loss
+        from ..theory.capture import rebuild_output
+
+        others = iter(extras)
+        leaves = [loss if k == graph.loss_leaf else next(others, None) for k in range(len(graph.outputs))]
+        return rebuild_output(spec, leaves)
 
     def _flush(self) -> None:
         """Start the deferred loss all-reduces not started yet (this module's and any other's),
@@ -317,6 +337,9 @@ class CompiledModule(nn.Module):
         out: dict[str, str] = {}
         for attr, (ref, _) in self._layouts.items():
             out.setdefault(self.theory.graph[ref].target, attr)
+        for alias, name in getattr(self.theory.graph, "aliases", {}).items():  # tied weights: every name
+            if name in out:
+                out.setdefault(alias, out[name])
         return out
 
     def _tensor(self, attr: str) -> torch.Tensor:
@@ -635,7 +658,9 @@ class CompiledModule(nn.Module):
         if optimizer is None:
             return model
         state: dict[str, dict[str, Any]] = {}
-        by_param = {id(self._tensor(a)): (k, a) for k, a in self._targets().items()}
+        by_param: dict[int, tuple[str, str]] = {}
+        for k, a in self._targets().items():  # a tied weight's state goes under its first name
+            by_param.setdefault(id(self._tensor(a)), (k, a))
         for p, st in optimizer.state.items():
             if id(p) not in by_param:
                 continue

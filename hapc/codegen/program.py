@@ -94,8 +94,9 @@ def state_name(node: Any, layout: Layout, kind: str) -> str:
 class RankProgram:
     """Builds rank ``rank``'s graph for a plan (see module docstring)."""
 
-    def __init__(self, theory: Theory, plan: Plan, rank: int):
+    def __init__(self, theory: Theory, plan: Plan, rank: int, outputs: str = "whole"):
         self.theory, self.plan, self.rank = theory, plan, rank
+        self.outputs = outputs  # the model's other returned tensors: "whole", "local" or "loss" (none)
         self.world = len(plan.device_ratios)
         self.graph = fx.Graph()
         self.env: dict[tuple[int, Layout], fx.Node] = {}
@@ -181,7 +182,8 @@ class RankProgram:
                         loss = out
         if loss is None:
             raise RuntimeError("the plan has no loss instruction")
-        g.output(loss)
+        extras = self._extra_outputs()
+        g.output((loss, *extras) if extras else loss)
         self._fuse_linear_bias()
         self._hoist_data_only()
         g.lint()
@@ -256,6 +258,40 @@ class RankProgram:
                 g.erase_node(add)
                 g.erase_node(lin)
                 break
+
+    def _extra_outputs(self) -> list[fx.Node | None]:
+        """The model's other returned tensors (logits...), after the loss: whole on every rank
+        (``outputs="whole"``), this rank's piece (``"local"``), or not returned (``"loss"``)."""
+        graph = self.theory.graph
+        wanted = [i for k, i in enumerate(graph.outputs) if k != graph.loss_leaf]
+        if not wanted:
+            return []
+        out: list[fx.Node | None] = []
+        for ref in wanted:
+            if ref is None or self.outputs == "loss":
+                out.append(None)
+                continue
+            have = {lay: n for (r, lay), n in self.env.items() if r == ref}
+            if not have:  # never computed by this program (not needed for the loss)
+                out.append(None)
+                continue
+            name = graph[ref].name
+            if self.outputs == "local":
+                lay, x = next(iter(have.items()))
+                out.append(self.graph.call_function(C.output_local, (x, name), name=f"{name}_out"))
+                continue
+            lay = next((lay for lay in have if lay.is_replicated), None) or next(
+                (lay for lay in have if lay.is_sharded), next(iter(have))
+            )
+            kind = "R" if lay.is_replicated else "S" if lay.is_sharded else "P"
+            dim = lay.dim if lay.is_sharded else 0
+            sizes = self.sizes(ref, dim) if lay.is_sharded else []
+            out.append(
+                self.graph.call_function(
+                    C.output_whole, (have[lay], kind, dim, sizes, self.group(), name), name=f"{name}_out"
+                )
+            )
+        return out
 
     def module(self, root: torch.nn.Module) -> fx.GraphModule:
         """The program over ``root``, which holds every tensor named in ``state`` plus ``group``

@@ -27,6 +27,7 @@ from .ops import (
     reduce_scatter,
     wait,
 )
+from .outputs import output_local, output_whole
 from .shards import take_shard, take_whole
 
 __all__ = [
@@ -46,6 +47,8 @@ __all__ = [
     "moe_dispatch_all_to_all",
     "moe_dispatch_tokens",
     "on_backward",
+    "output_local",
+    "output_whole",
     "reduce_scatter",
     "sfb_linear",
     "sync_batch_norm",

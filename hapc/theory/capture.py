@@ -201,6 +201,8 @@ class _Translator:
                 self.env[node] = self.source(node, specs[node.name], user_values)
             elif node.op == "call_function":
                 self.env[node] = self.call(node)
+            elif node.op == "get_attr":  # a higher-order op's subgraph
+                self.env[node] = getattr(self.ep.graph_module, node.target)
             elif node.op == "output":
                 outs = node.args[0]
                 user = [o for o, s in zip(outs, sig.output_specs) if s.kind.name == "USER_OUTPUT"]
@@ -274,6 +276,10 @@ class _Translator:
             return new_x  # batch norm's num_batches_tracked += 1: the runtime counts itself
         if origin == "constant" and base == "detach":
             return new_x
+        if origin == "view":
+            done = self.inplace_on_slice(node, base, args, kwargs)
+            if done is not None:
+                return done
         if origin != "op":
             what = {"param": "a parameter", "buffer": "a buffer", "input": "a model input", "view": "a view"}.get(
                 origin, "a tensor"
@@ -289,15 +295,72 @@ class _Translator:
         self.env[mutated] = out  # functionalise: later readers of x read the updated value
         return out
 
+    def inplace_on_slice(self, node: fx.Node, base: str, args: tuple, kwargs: dict) -> Any:
+        """``x[..., a:b] = y`` / ``x[:, i].fill_(v)`` on a fresh tensor ``x`` (T5's ``_shift_right``):
+        the updated ``x`` is the concatenation of its untouched parts and the new piece."""
+        view_ep = node.args[0]
+        if not (isinstance(view_ep, fx.Node) and view_ep.op == "call_function"):
+            return None
+        kind = getattr(view_ep.target, "_schema", None)
+        kind = kind.name.split("::")[-1] if kind is not None else ""
+        if kind not in ("slice", "select") or not isinstance(view_ep.args[0], fx.Node):
+            return None
+        base_ep = view_ep.args[0]
+        base_new = self.env[base_ep]
+        if self.origin.get(base_new, "op") != "op" or any(
+            self.order(u) > self.order(node) for u in view_ep.users if u is not node
+        ):
+            return None  # a parameter's, an input's or a view's slice, or the slice is read again later
+        shape = tuple(base_ep.meta["val"].shape)
+        rank = len(shape)
+        dim = view_ep.args[1] if len(view_ep.args) > 1 else 0
+        dim = dim + rank if dim < 0 else dim
+        n = shape[dim]
+        if kind == "select":
+            start = view_ep.args[2] % n
+            end, step = start + 1, 1
+        else:
+            start = view_ep.args[2] if len(view_ep.args) > 2 and view_ep.args[2] is not None else 0
+            end = view_ep.args[3] if len(view_ep.args) > 3 and view_ep.args[3] is not None else n
+            step = view_ep.args[4] if len(view_ep.args) > 4 else 1
+            start, end = (start + n if start < 0 else start), min(end + n if end < 0 else end, n)
+        if step != 1:
+            return None
+        view = self.env[view_ep]
+        if base == "copy" or (base == "fill" and isinstance(args[1], fx.Node)):
+            piece = self.emit("expand_as", (args[1], view), {}, node, method=True)
+            piece = self.emit("to", (piece, base_ep.meta["val"].dtype), {}, node, method=True)
+        elif base == "fill":
+            piece = self.emit(torch.full_like, (view, args[1]), {}, node)
+        else:
+            op = getattr(aten, base, None)
+            overload = getattr(op, node.target._overloadname, None) if op is not None else None
+            piece = self.translate(base, overload or node.target, (view, *args[1:]), kwargs, node)
+        if kind == "select":
+            piece = self.emit(torch.unsqueeze, (piece, dim), {}, node)
+        parts = []
+        if start > 0:
+            parts.append(self.emit(torch.narrow, (base_new, dim, 0, start), {}, node))
+        parts.append(piece)
+        if end < n:
+            parts.append(self.emit(torch.narrow, (base_new, dim, end, n - end), {}, node))
+        updated = parts[0] if len(parts) == 1 else self.emit(torch.cat, (parts, dim), {}, node)
+        self.env[base_ep] = updated
+        self.env[view_ep] = piece if kind == "slice" else self.emit(torch.squeeze, (piece, dim), {}, node)
+        return self.env[view_ep]
+
+    def order(self, node: fx.Node) -> int:
+        if not hasattr(self, "_order"):
+            self._order = {n: i for i, n in enumerate(self.ep.graph.nodes)}
+        return self._order.get(node, -1)
+
     def higher_order(self, node: fx.Node, args: tuple) -> Any:
         name = getattr(node.target, "_name", str(node.target))
-        if name == "wrap_with_set_grad_enabled":
-            enabled, sub_name, *operands = args
-            return self.inline(getattr(self.ep.graph_module, sub_name.target), operands, detach=not enabled)
-        if name == "wrap_with_autocast":
-            *_, sub_name = args[:5]
-            operands = args[5:]
-            return self.inline(getattr(self.ep.graph_module, args[4].target), operands, detach=False)
+        if name == "wrap_with_set_grad_enabled":  # (enabled, subgraph, *operands)
+            enabled, sub, *operands = args
+            return self.inline(sub, operands, detach=not enabled)
+        if name == "wrap_with_autocast":  # (device, dtype, enabled, cache, subgraph, *operands)
+            return self.inline(args[4], list(args[5:]), detach=False)
         raise TraceError(f"{name} at {_where(node)}: hapc cannot capture this construct yet")
 
     def inline(self, sub: fx.GraphModule, operands: list[Any], detach: bool) -> Any:

@@ -101,8 +101,10 @@ class OpRule:
     def strategies(self, view: OpView) -> list[Strategy]:
         try:
             out = list(self.fn(view))
-        except RuleError:
-            raise
+        except RuleError as exc:
+            if view.node.name in str(exc):
+                raise
+            raise RuleError(f"rule for op {self.name!r} on node {view.node.name} ({view.node.source}): {exc}") from exc
         except Exception as exc:  # a broken rule must name itself
             raise RuleError(
                 f"rule for op {self.name!r} failed on node {view.node.name} "

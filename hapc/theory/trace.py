@@ -108,9 +108,9 @@ class _Tracer(fx.Tracer):
         self.device = _example_device(example_inputs)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if isinstance(m, self.leaves) or type(m) in NORMALISERS:
-            return True
-        return super().is_leaf_module(m, qualname)
+        # the user's leaves and the modules with a functional form stay whole; every other module,
+        # torch.nn's included (MultiheadAttention, Hardsigmoid), is traced into the functions it calls
+        return isinstance(m, self.leaves) or type(m) in NORMALISERS
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _Proxy(node, self)
@@ -582,6 +582,12 @@ class _Builder:
         if kwargs.get("inplace"):
             kwargs["inplace"] = False
         op = canonical_name(type(target) if n.op == "call_module" else target, is_method)
+        if op in ("cat", "concat") and args and isinstance(args[0], (list, tuple)) and value.dim() > 1:
+            # torch.cat skips 1-D empty tensors (an empty cache's keys): so does the graph
+            kept = [a for a in args[0] if not (isinstance(a, Ref) and self.nodes[a.index].meta.shape == (0,))]
+            if len(kept) == 1 and isinstance(kept[0], Ref):
+                return kept[0]
+            args = (type(args[0])(kept), *args[1:])
         if op in _MEAN_LOSSES and not is_method:
             ref = self._decompose_mean_loss(n, op, value, args, kwargs)
             if ref is not None:

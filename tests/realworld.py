@@ -1,0 +1,193 @@
+"""Library models as their documentation calls them, at tiny and at published sizes.
+
+Each entry builds ``(model, batch)``: a Hugging Face model called with keyword inputs and
+``labels=`` (it returns a ``ModelOutput`` whose ``loss`` hapc trains), or a torchvision / timm
+classifier (they return logits; :class:`WithLoss` adds the cross entropy a training loop would).
+Tiny configs keep the library's defaults except sizes and dropout (``dropout=0`` so the result is
+comparable with one device bit for bit; hapc's rank-consistent dropout is tested elsewhere).
+
+torchvision's wheel on the package index is a CUDA build, which fails to import beside the CPU
+torch wheel (``operator torchvision::nms does not exist``: its compiled ops do not load).
+Its models are pure Python; :func:`import_torchvision` declares the two operator schemas the
+import registers fake kernels for, so the models load (detection ops stay unavailable).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_TV_LIB: Any = None
+
+
+def import_torchvision() -> Any:
+    """torchvision, loadable beside a CPU torch (see the module docstring); None if absent."""
+    global _TV_LIB
+    if importlib.util.find_spec("torchvision") is None:
+        return None
+    if _TV_LIB is None and not hasattr(torch.ops.torchvision, "nms"):
+        try:
+            import torchvision  # a matching build loads as is
+
+            return torchvision
+        except RuntimeError:
+            pass
+        _TV_LIB = torch.library.Library("torchvision", "DEF")
+        _TV_LIB.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        _TV_LIB.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    import torchvision
+
+    return torchvision
+
+
+def has(module: str) -> bool:
+    if module in ("torchvision", "timm"):
+        try:
+            import_torchvision()
+        except Exception:
+            return False
+    return importlib.util.find_spec(module) is not None
+
+
+class WithLoss(nn.Module):
+    """A classifier and the loss its training loop computes: returns ``(loss, logits)``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model(x)
+        return F.cross_entropy(logits, y), logits
+
+
+def _hf() -> Any:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", module="transformers")
+    import_torchvision()  # transformers imports torchvision when it is installed
+    return transformers
+
+
+def _tokens(batch: int, seq: int, vocab: int = 100, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def gpt2(batch: int = 4, seq: int = 16, attn: str = "sdpa", size: str = "tiny") -> tuple[nn.Module, dict]:
+    t = _hf()
+    kw = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=64) if size == "tiny" else {}
+    cfg = t.GPT2Config(**kw, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg._attn_implementation = attn
+    ids = _tokens(batch, seq, cfg.vocab_size)
+    return t.GPT2LMHeadModel(cfg), dict(input_ids=ids, labels=ids)
+
+
+def bert_cls(batch: int = 4, seq: int = 16, size: str = "tiny") -> tuple[nn.Module, dict]:
+    t = _hf()
+    kw = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=100)
+    cfg = t.BertConfig(**(kw if size == "tiny" else {}), num_labels=3, hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0)  # fmt: skip
+    labels = torch.arange(batch) % 3
+    return t.BertForSequenceClassification(cfg), dict(input_ids=_tokens(batch, seq, cfg.vocab_size), labels=labels)
+
+
+def bert_mlm(batch: int = 4, seq: int = 16, size: str = "tiny") -> tuple[nn.Module, dict]:
+    t = _hf()
+    kw = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=100)
+    cfg = t.BertConfig(**(kw if size == "tiny" else {}), hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    ids = _tokens(batch, seq, cfg.vocab_size)
+    labels = torch.where(torch.arange(seq) % 4 == 0, ids, torch.full_like(ids, -100))  # 1 in 4 masked
+    return t.BertForMaskedLM(cfg), dict(input_ids=ids, labels=labels)
+
+
+def llama(batch: int = 4, seq: int = 16, size: str = "tiny") -> tuple[nn.Module, dict]:
+    t = _hf()
+    kw = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=64, vocab_size=100)  # fmt: skip
+    cfg = t.LlamaConfig(**(kw if size == "tiny" else {}))
+    ids = _tokens(batch, seq, cfg.vocab_size)
+    return t.LlamaForCausalLM(cfg), dict(input_ids=ids, labels=ids)
+
+
+def t5(batch: int = 4, seq: int = 16, size: str = "tiny") -> tuple[nn.Module, dict]:
+    t = _hf()
+    kw = dict(num_layers=1, num_decoder_layers=1, d_model=32, d_ff=64, num_heads=4, d_kv=8, vocab_size=100)
+    cfg = t.T5Config(**(kw if size == "tiny" else {}), decoder_start_token_id=0, dropout_rate=0.0)
+    ids = _tokens(batch, seq, cfg.vocab_size)
+    return t.T5ForConditionalGeneration(cfg), dict(input_ids=ids, labels=_tokens(batch, seq // 2, cfg.vocab_size, 1))
+
+
+def vit_hf(batch: int = 4, size: str = "tiny") -> tuple[nn.Module, dict]:
+    t = _hf()
+    kw = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, image_size=32,
+              patch_size=8)  # fmt: skip
+    cfg = t.ViTConfig(**(kw if size == "tiny" else {}), num_labels=10, hidden_dropout_prob=0.0,
+                      attention_probs_dropout_prob=0.0)  # fmt: skip
+    img = cfg.image_size
+    pixels = torch.randn(batch, 3, img, img, generator=torch.Generator().manual_seed(0))
+    return t.ViTForImageClassification(cfg), dict(pixel_values=pixels, labels=torch.arange(batch) % 10)
+
+
+def _images(batch: int, size: int, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0))
+    return x, torch.arange(batch) % classes
+
+
+def tv_resnet(batch: int = 4) -> tuple[nn.Module, tuple]:
+    tv = import_torchvision()
+    return WithLoss(tv.models.resnet18(num_classes=10)), _images(batch, 32, 10)
+
+
+def tv_vit(batch: int = 4) -> tuple[nn.Module, tuple]:
+    tv = import_torchvision()
+    m = tv.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=32,
+                                    mlp_dim=64, num_classes=10)  # fmt: skip
+    return WithLoss(m), _images(batch, 32, 10)
+
+
+def tv_mobilenet(batch: int = 4) -> tuple[nn.Module, tuple]:
+    tv = import_torchvision()
+    return WithLoss(tv.models.mobilenet_v3_small(num_classes=10, dropout=0.0)), _images(batch, 32, 10)
+
+
+def timm_vit(batch: int = 4) -> tuple[nn.Module, tuple]:
+    import_torchvision()
+    import timm
+
+    m = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=10)
+    return WithLoss(m), _images(batch, 32, 10)
+
+
+#: name -> (factory, the library it needs)
+MODELS: dict[str, tuple[Callable[..., tuple[nn.Module, Any]], str]] = {
+    "gpt2": (gpt2, "transformers"),
+    "gpt2-eager": (lambda **kw: gpt2(attn="eager", **kw), "transformers"),
+    "bert-cls": (bert_cls, "transformers"),
+    "bert-mlm": (bert_mlm, "transformers"),
+    "llama": (llama, "transformers"),
+    "t5": (t5, "transformers"),
+    "vit-hf": (vit_hf, "transformers"),
+    "tv-resnet": (tv_resnet, "torchvision"),
+    "tv-vit": (tv_vit, "torchvision"),
+    "tv-mobilenet": (tv_mobilenet, "torchvision"),
+    "timm-vit": (timm_vit, "timm"),
+}
+
+
+def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float64) -> tuple[nn.Module, Any]:
+    """The model (seeded, ``dtype``) and its batch."""
+    torch.manual_seed(seed)
+    model, batch = MODELS[name][0]()
+    model = model.to(dtype)
+    if isinstance(batch, dict):
+        batch = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
+    else:
+        batch = tuple(v.to(dtype) if v.is_floating_point() else v for v in batch)
+    return model, batch
