@@ -114,11 +114,14 @@ def verify(
     seed: int = 0,
     nodes: Sequence[int] | None = None,
     checked: Counter | None = None,
+    skipped: Counter | None = None,
 ) -> list[Failure]:
     """All unsound triple instances of ``theory`` on ``inputs`` for each ratio vector (empty = sound).
 
-    ``checked``, if given, counts the ``(op, strategy)`` pairs actually exercised (instances that
-    would hold an empty shard are skipped: synthesis never shards a dim that small).
+    ``checked``, if given, counts the ``(op, strategy)`` pairs actually exercised. Instances that
+    would hold an empty shard (``[n, 0, 0]``) cannot be simulated here; ``skipped``, if given,
+    counts their pairs, so that the caller verifies them again on a shape where every shard is
+    non-empty (``tests/test_theory_soundness.py`` does) -- a wrong rule must not hide there.
     """
     g = theory.graph
     values = [v.detach() if isinstance(v, torch.Tensor) else v for v in g.evaluate(dict(inputs))]
@@ -135,6 +138,8 @@ def verify(
                     failures += found
                     if checked is not None:
                         checked[(n.op, s.name)] += 1
+                elif skipped is not None:
+                    skipped[(n.op, s.name)] += 1
     for t in theory.triples:
         ins = t.instrs[-1]
         if isinstance(ins, Collective) and ins.ref in wanted and not _is_random(g[ins.ref], theory):
