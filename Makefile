@@ -11,8 +11,8 @@ PYTEST_ARGS ?=
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q $(TORCH_PIP_ARGS) torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev,triton]"
+	$(BIN)/pip install -q $(TORCH_PIP_ARGS) torch==2.13.0 torchvision==0.28.0
+	$(BIN)/pip install -q -e ".[dev,triton,hf]"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -234,7 +234,10 @@ class _Translator:
             return out
         if kind in ("CONSTANT_TENSOR", "CUSTOM_OBJ"):
             value = self.ep.constants[target]
-            name = "_hapc_constant_" + target.removeprefix("m.").replace(".", "_")
+            # a tensor the forward creates from constants: kept on the model as fx keeps its own
+            # ``_tensor_constant*`` attributes (a plain attribute: not in the model's state_dict)
+            name = "_tensor_constant_" + target.removeprefix("m.").replace(".", "_")
+            self.model.__dict__[name] = value
             self.attrs[name] = value
             out = self.g.get_attr(name)
             self.origin[out] = "constant"
