@@ -23,7 +23,34 @@ def test_benchmark_smoke(script, tmp_path):
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    assert result
+    _check_printed(script, proc.stdout, result)
+
+
+def _check_printed(script: str, stdout: str, result: dict) -> None:
+    """What the benchmark prints is the table of its JSON rows (not only a clean exit)."""
+    if script == "synth_time.py":
+        assert "Synthesis time" in stdout
+        for name, row in result["rows"].items():
+            assert f"| {name} |" in stdout, name
+            assert row["total"] > 0
+    elif script == "segmentation.py":
+        assert "node segments vs HAP's stage model" in stdout and "random graphs" in stdout
+        for case in result["zoo"]:
+            assert case in stdout, case
+    elif script == "runtime_overhead.py":
+        for row in result["rows"]:
+            assert row["hapc_s"] > 0 and row["torch_s"] > 0
+            assert f"{row['ratio']:.3f}" in stdout, row["case"]  # the ratio column shows the JSON's ratio
+    elif script == "plan_quality.py":
+        assert "Plan quality" in stdout and "hapc speedup" in stdout
+        for case in result["heterogeneous"]:
+            assert f"| {case} |" in stdout, case
+    elif script == "uneven_experts.py":
+        assert "Uneven experts" in stdout
+        for link in result["links"]:
+            assert f"{link} between the hosts" in stdout, link
 
 
 def test_run_all_writes_results_and_plots(tmp_path):
