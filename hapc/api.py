@@ -308,6 +308,7 @@ def compile(
             f"start {cluster.num_devices} processes or describe the {world} you have"
         )
     graph = trace(model, example_inputs, leaf_modules=leaf_modules, capture=capture, loss=loss)
+    mode_branch = _mode_branch(model, example_inputs, graph, leaf_modules=leaf_modules, capture=capture, loss=loss)
     _refuse_random_ops(graph, world)
     theory_opts = {"sfb": True, "variants": ("padded", "grouped"), "param_comm": False, "strict": False}
     source = plan.options if plan is not None else options
@@ -320,8 +321,45 @@ def compile(
     module = CompiledModule(
         model, theory, plan, group=group, device=device, seed=seed, init=init, loss_sync=loss_sync, outputs=outputs
     )
+    module._mode_branch = mode_branch
     guard(model, module)  # the model raises while stale: module.unwrap() writes the trained weights back
     return module
+
+
+def _mode_key(graph: Any) -> list[tuple]:
+    """What a program computes, up to dropout and batch norm (whose modes the runtime handles)."""
+    from .theory.graph import OP, map_refs
+
+    key = []
+    for n in graph:
+        if n.kind != OP or "dropout" in n.op or n.op == "batch_norm":
+            continue
+        args = map_refs((n.args, n.kwargs), lambda r: ("ref", n.index - r.index))
+        key.append((n.op, n.meta, repr(args)))
+    return key
+
+
+def _mode_branch(model: torch.nn.Module, example_inputs: Any, graph: Any, **trace_opts: Any) -> str | None:
+    """Where the model's forward computes something else in the other train/eval mode (a
+    ``self.training`` branch: label smoothing in training only, an auxiliary loss), or None. The
+    program is the traced mode's: switching modes must then be refused, never run silently."""
+    from .theory import trace
+
+    mode = model.training
+    try:
+        model.train(not mode)
+        other = trace(model, example_inputs, **trace_opts)
+    except Exception as exc:  # the other mode does not even capture: it is certainly different
+        return f"the model in {'eval' if mode else 'training'} mode ({type(exc).__name__}: {str(exc)[:120]})"
+    finally:
+        model.train(mode)
+    a, b = _mode_key(graph), _mode_key(other)
+    if a == b:
+        return None
+    first = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    nodes = [n for n in graph if n.kind == "op" and "dropout" not in n.op and n.op != "batch_norm"]
+    where = nodes[first] if first < len(nodes) else graph.loss
+    return f"{where.name} ({where.source or 'model'})"
 
 
 def _group_with_timeout(group: Any, seconds: float) -> Any:

@@ -222,20 +222,69 @@ def trace(
     if capture not in CAPTURES:
         raise TraceError(f"capture must be one of {CAPTURES}, got {capture!r}")
     if capture == "export":
-        return _trace_export(model, example_inputs, loss)
+        with _no_state_assignment():
+            return _trace_export(model, example_inputs, loss)
+    buffers = {k: b.detach().clone() for k, b in model.named_buffers() if b.device.type != "meta"}
     try:
-        return _trace_fx(model, example_inputs, leaf_modules, registry, loss)
+        with _no_state_assignment(), _restoring(model, buffers):
+            return _trace_fx(model, example_inputs, leaf_modules, registry, loss)
     except TraceError as fx_error:
         if capture == "fx" or leaf_modules or _mutation_error(fx_error):
             raise
         try:
-            return _trace_export(model, example_inputs, loss)
+            with _no_state_assignment():
+                return _trace_export(model, example_inputs, loss)
         except TraceError as export_error:
             raise TraceError(f"{fx_error}\n  (torch.export could not capture it either: {export_error})") from fx_error
 
 
 def _mutation_error(exc: TraceError) -> bool:
-    return "in-place" in str(exc) and "replay" in str(exc)
+    return ("in-place" in str(exc) and "replay" in str(exc)) or "assigns" in str(exc)
+
+
+@contextlib.contextmanager
+def _no_state_assignment() -> Any:
+    """While capturing, assigning a tensor to a module's parameter or buffer (``self.avg = ...``,
+    ``self.steps += 1``) or a traced value to any attribute raises: hapc does not replay state
+    updates made in forward yet, and the model must not keep a traced value."""
+    setattr_ = nn.Module.__setattr__
+
+    def guarded(self: nn.Module, name: str, value: Any) -> None:
+        state = self.__dict__.get("_buffers", {}), self.__dict__.get("_parameters", {})
+        if isinstance(value, fx.Proxy) or (isinstance(value, torch.Tensor) and any(name in t for t in state)):
+            frame = next((f for f in reversed(traceback.extract_stack()[:-1]) if _user_file(f.filename)), None)
+            where = f"{os.path.basename(frame.filename)}:{frame.lineno}: {(frame.line or '').strip()}" if frame else ""
+            raise TraceError(
+                f"{type(self).__name__}.forward assigns self.{name} ({where}): hapc does not replay updates of "
+                "buffers or parameters made in forward yet; move the update out of forward (e.g. after "
+                "optimizer.step()), or compute the value and return it"
+            )
+        setattr_(self, name, value)
+
+    nn.Module.__setattr__ = guarded  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.__setattr__ = setattr_  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _restoring(model: nn.Module, buffers: dict[str, torch.Tensor]) -> Any:
+    """fx runs a forward's Python on the model's real buffers: a failed capture (one that updated a
+    buffer in place) leaves them as they were."""
+    try:
+        yield
+    except BaseException:
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                if k in buffers and b.shape == buffers[k].shape:
+                    b.copy_(buffers[k])
+        raise
+
+
+def _user_file(filename: str) -> bool:
+    f = os.path.abspath(filename)
+    return not f.startswith((_TORCH_DIR, _HAPC_DIR)) and "<" not in filename
 
 
 def _trace_fx(model: nn.Module, example_inputs: Any, leaf_modules: Sequence[type], registry: Registry,

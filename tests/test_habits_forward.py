@@ -1,0 +1,107 @@
+"""Issue 13 items 3-5: what a forward does besides computing the loss is exact or refused.
+
+* a ``self.training`` branch (label smoothing in training only): the program is the traced mode's,
+  so switching the module to the other mode raises, naming the node (not silently the old program);
+* a buffer updated in forward (a running average, a step counter) and an in-place update of a
+  parameter (``self.w.data.clamp_()``, ``with torch.no_grad(): p.clamp_()``): refused at capture
+  with the line, by either capture (hapc does not replay them yet), never dropped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hapc
+from hapc.errors import HapcError, TraceError
+from hapc.testing import run_distributed
+
+
+class Smoothed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 4)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.lin(x), y, label_smoothing=0.1 if self.training else 0.0)
+
+
+class Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 4)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.lin(x), y)
+
+
+def _switch(rank: int, world: int, cls: type) -> str:
+    torch.manual_seed(0)
+    model = cls().double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.arange(8) % 4
+    module = hapc.compile(model, "local-cpu:2", (x, y))
+    module(x, y).backward()
+    try:
+        module.eval()
+    except HapcError as exc:
+        return str(exc)
+    with torch.no_grad():
+        return f"ok {float(module(x, y)):.12f}"
+
+
+def test_a_training_branch_refuses_the_mode_switch():
+    texts = run_distributed(_switch, 2, Smoothed)
+    assert texts[0] == texts[1]
+    assert "computes something else in eval mode" in texts[0] and "compile a second module" in texts[0]
+
+
+def test_a_model_without_training_branch_switches_to_eval():
+    texts = run_distributed(_switch, 2, Plain)
+    assert texts[0].startswith("ok") and texts[0] == texts[1]
+
+
+class Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros(()))
+        self.register_buffer("avg", torch.zeros(4))
+
+    def forward(self, x):
+        self.steps += 1
+        return self.lin(x).sum()
+
+
+class Average(Counter):
+    def forward(self, x):
+        h = self.lin(x)
+        self.avg = 0.9 * self.avg + 0.1 * h.mean(0).detach()
+        return h.sum()
+
+
+class ClampData(Counter):
+    def forward(self, x):
+        self.lin.weight.data.clamp_(-1, 1)
+        return self.lin(x).sum()
+
+
+class ClampNoGrad(Counter):
+    def forward(self, x):
+        with torch.no_grad():
+            self.lin.weight.clamp_(-1, 1)
+        return self.lin(x).sum()
+
+
+@pytest.mark.parametrize("cls", [Counter, Average, ClampData, ClampNoGrad])
+@pytest.mark.parametrize("capture", ["auto", "fx", "export"])
+def test_updates_of_state_in_forward_are_refused(cls, capture):
+    model = cls()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    # (export alone reports ``.data`` as an untraceable constant: refused too, less precisely)
+    with pytest.raises(TraceError, match=r"(in-place|updates parameters or buffers|assigns|cannot trace)"):
+        hapc.trace(model, (torch.randn(3, 4),), capture=capture)
+    # capturing did not change the model's state
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
