@@ -334,7 +334,7 @@ def _mode_key(graph: Any) -> list[tuple]:
     for n in graph:
         if n.kind != OP or "dropout" in n.op or n.op == "batch_norm":
             continue
-        args = map_refs((n.args, n.kwargs), lambda r: ("ref", n.index - r.index))
+        args = map_refs((n.args, n.kwargs), lambda r, i=n.index: ("ref", i - r.index))
         key.append((n.op, n.meta, repr(args)))
     return key
 
