@@ -315,6 +315,7 @@ def compile(
     theory_opts.update({k: source[k] for k in THEORY_OPTIONS if k in source})
     theory_opts["variants"] = tuple(theory_opts["variants"])
     theory = derive(graph, **theory_opts)
+    _verify_user_rules(theory, graph, example_inputs)
     if plan is None:
         plan = _agree_on_plan(theory, cluster, group, options, theory_opts)
     plan.check(graph=graph, cluster=cluster, world_size=world)
@@ -324,6 +325,53 @@ def compile(
     module._mode_branch = mode_branch
     guard(model, module)  # the model raises while stale: module.unwrap() writes the trained weights back
     return module
+
+
+_VERIFIED: dict[tuple, str] = {}  # (op, node shapes) -> "" (sound) or the failure, per process
+
+
+def _verify_user_rules(theory: Any, graph: Any, example_inputs: Any) -> None:
+    """Check every op whose rule the user registered (``hapc.register_op`` / ``register_rule``) with
+    :func:`hapc.verify` on the example inputs, once per op and shape: a wrong annotation must not
+    train silently. Where the inputs or weights are on the meta device nothing can be simulated:
+    a warning names ``hapc.verify``."""
+    import warnings
+
+    from .theory.registry import default_registry
+    from .theory.verify import verify
+
+    def key(n: Any) -> tuple:
+        return (n.op, n.meta, tuple(graph[o].meta for o in n.operands))
+
+    user = [n for n in graph if n.kind == "op" and (r := default_registry.get(n.op)) is not None and not r.builtin]
+    todo = [n for n in user if key(n) not in _VERIFIED]
+    if todo:
+        values = example_inputs.values() if isinstance(example_inputs, dict) else example_inputs
+        values = (values,) if isinstance(values, torch.Tensor) else tuple(values)
+        meta = any(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in values) or any(
+            p.device.type == "meta" for p in graph.module.parameters()
+        )
+        if meta:
+            warnings.warn(
+                f"the rules registered for {sorted({n.op for n in todo})} could not be checked on meta tensors; "
+                "check them with hapc.verify(theory, real_inputs, [[0.5, 0.3, 0.2]]) before training",
+                stacklevel=3,
+            )
+            return
+        names = [n.name for n in graph.inputs]
+        inputs = dict(example_inputs) if isinstance(example_inputs, dict) else dict(zip(names, values))
+        failures = verify(theory, {k: v for k, v in inputs.items() if k in names}, [[0.5, 0.3, 0.2], [0.6, 0.4]],
+                          nodes=[n.index for n in todo])  # fmt: skip
+        bad = {f.op: str(f) for f in failures}
+        for n in todo:
+            _VERIFIED[key(n)] = bad.get(n.op, "")
+    wrong = sorted({(n.op, _VERIFIED[key(n)]) for n in user if _VERIFIED.get(key(n))})
+    if wrong:
+        op, what = wrong[0]
+        raise HapcError(
+            f"the sharding rule registered for {op!r} is unsound: {what}. Fix its annotation or rule function "
+            "(hapc.verify(hapc.derive(hapc.trace(model, inputs)), inputs, [[0.5, 0.3, 0.2]]) reproduces it)"
+        )
 
 
 def _mode_key(graph: Any) -> list[tuple]:

@@ -105,3 +105,40 @@ def test_updates_of_state_in_forward_are_refused(cls, capture):
     # capturing did not change the model's state
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+@hapc.custom_op("b h, h -> b")  # wrong: sharding h claims a Partial sum, but the sum is squared
+def _wrong_rowsum(x, w):
+    return (x * w).sum(-1) ** 2
+
+
+@hapc.custom_op("b h, h -> b h")
+def _right_scale(x, w):
+    return x * w
+
+
+class Custom(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, dtype=torch.float64))
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x, self.w).sum()
+
+
+def _compile_custom(rank: int, world: int, fn) -> str:
+    torch.manual_seed(0)
+    model = Custom(fn)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    try:
+        hapc.compile(model, "local-cpu:2", (x,))
+    except HapcError as exc:
+        return str(exc)
+    return "compiled"
+
+
+def test_a_custom_op_with_a_wrong_annotation_is_refused_at_compile():
+    texts = run_distributed(_compile_custom, 2, _wrong_rowsum)
+    assert texts[0] == texts[1] and "is unsound" in texts[0] and "_wrong_rowsum" in texts[0]
+    assert run_distributed(_compile_custom, 2, _right_scale) == ["compiled", "compiled"]
