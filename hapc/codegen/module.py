@@ -166,6 +166,7 @@ class CompiledModule(nn.Module):
         missing = [n for n in names if n not in bound]
         if missing:
             raise TypeError(f"missing model input(s) {missing}")
+        bound = self._from_even_shares(bound)
         _check_inputs(self._graph_inputs, self._free_dims, bound)
         self._flush()
         if self.world > 1 and torch.is_grad_enabled():
@@ -206,6 +207,41 @@ class CompiledModule(nn.Module):
         others = iter(extras)
         leaves = [loss if k == graph.loss_leaf else next(others, None) for k in range(len(graph.outputs))]
         return rebuild_output(spec, leaves)
+
+    def _from_even_shares(self, bound: dict[str, Any]) -> dict[str, Any]:
+        """DDP's convention -- each rank its own ``batch / world`` rows (``DistributedSampler``) --
+        under a plan whose shares are not those: the shares are all-gathered (in rank order) into
+        the global batch, which the program then splits by its ratios. Exact: every loss hapc
+        accepts is a sum over rows (or a sum over a count), whatever rank a row started on. The
+        decision reads only shapes and the plan, so every rank takes it alike."""
+        if self.world == 1:
+            return bound
+        shares = []
+        for n in self._graph_inputs:
+            x = bound.get(n.name)
+            if not isinstance(x, torch.Tensor) or x.dim() != n.meta.rank or x.dim() == 0 or x.shape[0] == n.shape[0]:
+                continue
+            full = n.shape[0]
+            if full % self.world or x.shape[0] != full // self.world or tuple(x.shape[1:]) != tuple(n.shape[1:]):
+                return bound  # not an even share: the checks below say what is wrong
+            shares.append(n)
+        if not shares:
+            return bound
+        planned = [
+            self.theory.local_sizes(n.index, 0, self.plan.device_ratios) if 0 in self._free_dims.get(n.index, ())
+            else [n.shape[0]] * self.world
+            for n in shares
+        ]  # fmt: skip
+        if all(all(size == n.shape[0] // self.world for size in sizes) for n, sizes in zip(shares, planned)):
+            return bound  # the plan's own shares: each rank computes on its rows
+        self._flush()
+        out = dict(bound)
+        for n in shares:
+            x = bound[n.name].contiguous()
+            parts = [torch.empty_like(x) for _ in range(self.world)]
+            dist.all_gather(parts, x, group=self.group)
+            out[n.name] = torch.cat(parts, 0)
+        return out
 
     def _flush(self) -> None:
         """Start the deferred loss all-reduces not started yet (this module's and any other's),
