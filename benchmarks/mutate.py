@@ -18,6 +18,8 @@ its rows and keeps the others (a mutant whose table entry changed since its outc
     python benchmarks/mutate.py                  # every mutant, writes benchmarks/MUTATION.md
     python benchmarks/mutate.py -k astar lp_mem  # mutants whose id contains any of the words
     python benchmarks/mutate.py --baseline       # run the selections unmutated (they must pass)
+    python benchmarks/mutate.py --head           # mutate a copy of HEAD (others' uncommitted work left out)
+    python benchmarks/mutate.py --report-only    # rewrite MUTATION.md from mutation.json
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class Mutant:
     equivalent: str = ""
     timeout: int = 120
     env: dict[str, str] | None = None  # extra environment for the run (e.g. more hypothesis examples)
+    note: str = ""  # what is known about a survivor (shown in the report)
 
 
 @dataclass
@@ -191,6 +194,7 @@ def report(version: int, outcomes: list[Outcome]) -> str:
         "| id | file | bug planted | tests | result | s |",
         "| --- | --- | --- | --- | --- | ---: |",
     ]
+    notes = [o for o in outcomes if o.status != "killed" and o.mutant.note]
     for o in outcomes:
         m = o.mutant
         result = o.status if o.status in ("killed", "survived") else f"{o.status}: {o.detail}"
@@ -198,6 +202,9 @@ def report(version: int, outcomes: list[Outcome]) -> str:
         out.append(
             f"| {m.id} | `{m.file}` | {m.description} | {tests} | {result.replace('|', '/')} | {o.seconds:.0f} |"
         )
+    if notes:
+        out += ["", "## Notes on mutants not killed", ""]
+        out += [f"* **{o.mutant.id}** ({o.status}): {o.mutant.note}" for o in notes]
     return "\n".join(out) + "\n"
 
 
@@ -208,8 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head", action="store_true", help="copy HEAD (git archive) instead of the working tree")
     ap.add_argument("--out", type=Path, default=REPORT, help="the report (default benchmarks/MUTATION.md)")
     ap.add_argument("--no-report", action="store_true", help="print only")
+    ap.add_argument("--report-only", action="store_true", help="rewrite the report from benchmarks/mutation.json")
     args = ap.parse_args(argv)
     version, mutants = load()
+    if args.report_only:
+        args.out.write_text(report(version, merge(mutants, [])))
+        return 0
     chosen = [m for m in mutants if not args.k or any(w in m.id for w in args.k)]
     outcomes = []
     with tempfile.TemporaryDirectory(prefix="hapc-mutate-") as tmp:
@@ -228,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     outcomes = merge(mutants, outcomes)
     text = report(version, outcomes)
-    print(text.split("\n")[6])
+    print(next(line for line in text.splitlines() if line.startswith("**Kill rate")))
     args.out.write_text(text)
     counted = [o for o in outcomes if o.status not in ("equivalent", "not run")]
     killed = sum(o.status == "killed" for o in counted)
