@@ -75,7 +75,7 @@ def _reference(name: str) -> dict[str, Any]:
     return ref
 
 
-def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, rtol: float = RTOL) -> None:
     assert set(got) == set(want), f"{what}: names differ: {sorted(set(got) ^ set(want))[:5]}"
     floats = [v for v in want.values() if v.is_floating_point()]
     scale = max(float(v.abs().max()) for v in floats if v.numel())
@@ -84,7 +84,7 @@ def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: st
         assert g.shape == v.shape, f"{what} {k}: shape {tuple(g.shape)} != {tuple(v.shape)}"
         if v.is_floating_point():
             err = float((g.to(v.dtype) - v).abs().max()) if v.numel() else 0.0
-            assert err <= RTOL * scale, f"{what} {k}: off by {err:.3g} (scale {scale:.3g})"
+            assert err <= rtol * scale, f"{what} {k}: off by {err:.3g} (scale {scale:.3g})"
         else:
             assert torch.equal(g, v), f"{what} {k} differs"
 
@@ -93,13 +93,15 @@ def _check(name: str, world: int, cluster: str, **opts: Any) -> None:
     ref = _reference(name)
     results = run_distributed(_job, world, name, cluster, opts, timeout=240)
     # HF losses upcast logits with .float(): the loss itself is float32 in both runs
-    loss_tol = 1e-6 if name in ("gpt2", "gpt2-eager", "llama") else 1e-12
+    # (so gradients through it carry float32 rounding of another summation order: 1e-6)
+    f32 = name in ("gpt2", "gpt2-eager", "llama")
+    loss_tol, tol = (1e-6, 1e-6) if f32 else (1e-12, RTOL)
     for r in results:
         assert r["loss"] == pytest.approx(ref["loss"], rel=loss_tol)
         assert r["losses"] == pytest.approx(ref["losses"], rel=max(loss_tol, 1e-10))
-        _close(r["grads"], ref["grads"], "gradient")
-        _close({"logits": r["logits"]}, {"logits": ref["logits"]}, "logits")
-        _close(r["state"], ref["state"], "state after 2 steps")
+        _close(r["grads"], ref["grads"], "gradient", tol)
+        _close({"logits": r["logits"]}, {"logits": ref["logits"]}, "logits", tol)
+        _close(r["state"], ref["state"], "state after 2 steps", tol)
 
 
 # (model, processes, cluster, options)

@@ -243,7 +243,10 @@ class RefGraph:
                 if state is None:
                     state = dict(self.module.named_parameters())
                     state.update(self.module.named_buffers())
-                values[n.index] = state[n.target] if n.target in state else _getattr(self.module, n.target)
+                value = state[n.target] if n.target in state else _getattr(self.module, n.target)
+                # a buffer the graph updates in place (batch norm's running statistics): evaluating
+                # the reference must never move the model's own
+                values[n.index] = value.clone() if n.kind == BUFFER else value
             else:
                 a, k = map_refs((n.args, n.kwargs), lambda r: values[r.index])
                 a, k = _with_device((a, k), device)

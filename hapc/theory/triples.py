@@ -513,24 +513,10 @@ def _fuse_sources(triples: list[Triple], g: RefGraph) -> list[Triple]:
                     fused = fused.fuse_after(src)
                 else:
                     (next_sources if not fused.pre else next_others).append(fused)
-        sources, others = _unique(next_sources), _unique(next_others)
+        sources, others = next_sources, next_others
     out = others + [t for t in sources if DONE in t.post]
     present = {id(t) for t in out}
     return out + [t for k, t in kept.items() if k not in present]
-
-
-def _unique(triples: list[Triple]) -> list[Triple]:
-    """Drop fused triples that repeat another's instructions in another order: a chain that reaches
-    a consumer along several paths (a diamond of static ops) is fused once per order otherwise.
-    Same instructions, same cost, same pre/post: the programs they allow are the same."""
-    seen: set[tuple] = set()
-    out = []
-    for t in triples:
-        key = (t.pre, t.post, frozenset(t.instrs), len(t.instrs), t.tokens, t.complete)
-        if key not in seen:
-            seen.add(key)
-            out.append(t)
-    return out
 
 
 def _static_nodes(g: RefGraph) -> set[int]:
