@@ -375,15 +375,28 @@ def _verify_user_rules(theory: Any, graph: Any, example_inputs: Any) -> None:
 
 
 def _mode_key(graph: Any) -> list[tuple]:
-    """What a program computes, up to dropout and batch norm (whose modes the runtime handles)."""
+    """What a program computes, up to dropout and batch norm (whose modes the runtime handles):
+    dropout is transparent (its users read its input), SDPA's ``dropout_p`` is left out."""
     from .theory.graph import OP, map_refs
 
+    ident: dict[int, Any] = {}
     key = []
     for n in graph:
-        if n.kind != OP or "dropout" in n.op or n.op == "batch_norm":
+        if n.kind != OP:  # a traced constant's attribute name differs between two traces
+            const = str(n.target or "").startswith("_tensor_constant")
+            ident[n.index] = ("constant", n.meta) if const else (n.target or n.name)
             continue
-        args = map_refs((n.args, n.kwargs), lambda r, i=n.index: ("ref", i - r.index))
-        key.append((n.op, n.meta, repr(args)))
+        if "dropout" in n.op and n.operands:
+            ident[n.index] = ident[n.operands[0]]
+            continue
+        ident[n.index] = len(key)
+        if n.op == "batch_norm":
+            key.append(("batch_norm", n.meta))
+            continue
+        args, kwargs = n.args, n.kwargs
+        if n.op == "scaled_dot_product_attention":  # dropout_p follows the mode at run time (hapc.ops)
+            args, kwargs = args[:3], {k: v for k, v in kwargs.items() if k != "dropout_p"}
+        key.append((n.op, n.meta, repr(map_refs((args, kwargs), lambda r: ("ref", ident[r.index])))))
     return key
 
 
@@ -405,7 +418,7 @@ def _mode_branch(model: torch.nn.Module, example_inputs: Any, graph: Any, **trac
     if a == b:
         return None
     first = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    nodes = [n for n in graph if n.kind == "op" and "dropout" not in n.op and n.op != "batch_norm"]
+    nodes = [n for n in graph if n.kind == "op" and not ("dropout" in n.op and n.operands)]
     where = nodes[first] if first < len(nodes) else graph.loss
     return f"{where.name} ({where.source or 'model'})"
 

@@ -112,7 +112,8 @@ def test_every_preset_is_within_range(spec):
 
 def test_every_cluster_file_in_the_repository_is_within_range():
     files = subprocess.run(["git", "ls-files", "*.toml"], cwd=ROOT, capture_output=True, text=True).stdout.split()
-    clusters = [f for f in files if f != "pyproject.toml"]
+    # every TOML file with device groups (pyproject.toml and benchmarks/mutants.toml are not clusters)
+    clusters = [f for f in files if "[[group]]" in (ROOT / f).read_text()]
     assert clusters, "examples/two-groups.toml at least"
     for f in clusters:
         Cluster.load(ROOT / f)

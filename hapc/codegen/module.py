@@ -315,15 +315,6 @@ class CompiledModule(nn.Module):
         return bool(agreed[0] == 1) and int(agreed[1]) == -int(agreed[2])
 
     def train(self, mode: bool = True) -> CompiledModule:
-        branch = self.__dict__.get("_mode_branch")
-        if mode != self._traced_mode and branch:
-            other = "training" if mode else "eval"
-            raise HapcError(
-                f"the model's forward computes something else in {other} mode (from {branch} on: a "
-                f"`self.training` branch), and this program is the {'training' if self._traced_mode else 'eval'} "
-                f"mode's; compile a second module for {other} mode (model.{'train' if mode else 'eval'}() then "
-                "hapc.compile) -- module.unwrap() hands the trained weights to the model first"
-            )
         if mode != self._traced_mode and self._mode_sensitive:
             raise HapcError(
                 f"this program was compiled from the model in {'training' if self._traced_mode else 'eval'} mode "
@@ -335,6 +326,15 @@ class CompiledModule(nn.Module):
                 f"this program was compiled from the model in eval mode, where {self._eval_only[0]!r} (dropout) "
                 "does nothing, so it has no training-mode dropout; compile the model in training mode "
                 "(model.train() before hapc.compile): that program serves eval mode too"
+            )
+        branch = self.__dict__.get("_mode_branch")
+        if mode != self._traced_mode and branch:
+            other = "training" if mode else "eval"
+            raise HapcError(
+                f"the model's forward computes something else in {other} mode (from {branch} on: a "
+                f"`self.training` branch), and this program is the {'training' if self._traced_mode else 'eval'} "
+                f"mode's; compile a second module for {other} mode (model.{'train' if mode else 'eval'}() then "
+                "hapc.compile) -- module.unwrap() hands the trained weights to the model first"
             )
         # compiled in training mode, dropout follows the mode: the identity in eval
         self.rng.drops = mode or not self._traced_mode
