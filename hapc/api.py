@@ -358,8 +358,10 @@ def _verify_user_rules(theory: Any, graph: Any, example_inputs: Any) -> None:
                 stacklevel=3,
             )
             return
+        from .theory.capture import bind_keywords
+
         names = [n.name for n in graph.inputs]
-        inputs = dict(example_inputs) if isinstance(example_inputs, dict) else dict(zip(names, values))
+        inputs = bind_keywords(graph.module, example_inputs)[0]  # by the forward's signature
         failures = verify(theory, {k: v for k, v in inputs.items() if k in names}, [[0.5, 0.3, 0.2], [0.6, 0.4]],
                           nodes=[n.index for n in todo])  # fmt: skip
         bad = {f.op: str(f) for f in failures}
