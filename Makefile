@@ -7,7 +7,7 @@ STAMP := $(VENV)/.hapc-installed
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint fuzz mutate clean
+.PHONY: setup demo test test-slow lint fuzz mutate clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,7 +21,11 @@ demo: $(STAMP)
 	$(BIN)/hapc demo
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 -q $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 -q -m "not slow" $(PYTEST_ARGS)
+
+# the long cases (library models trained on gloo processes); CI runs them after `make test`
+test-slow: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 -q -m slow $(PYTEST_ARGS)
 
 # the equivalence fuzzer's long profile: 60 batches of 8 random models x clusters, counts printed
 fuzz: $(STAMP)
