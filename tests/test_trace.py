@@ -163,3 +163,27 @@ def test_getattr_on_namedtuple_results_and_operator_targets():
 
     g = hapc.trace(Net(), (torch.randn(3, 4),))
     assert "max" in [n.op for n in g] and "neg" in [n.op for n in g]
+
+
+def test_evaluating_the_graph_leaves_the_models_buffers_alone():
+    """Batch norm in training updates its running statistics in place: the reference evaluation
+    (whole-batch counts, rule verification at compile) must not move the model's own."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6)).double().train()
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, x):
+            return self.m(x).sum()
+
+    net = Net()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    graph = hapc.trace(net, (x,))
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    loss = graph.run({"x": x})
+    graph.run({"x": x})
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    torch.testing.assert_close(loss, net(x))  # and the value is the model's

@@ -292,9 +292,7 @@ class _Translator:
                 "does not replay in-place updates of parameters, buffers, inputs or views yet; write it out of "
                 "place (y = x.{0}(...)) or move the update out of forward".format(base)
             )
-        op = getattr(aten, base, None)
-        overload = getattr(op, node.target._overloadname, None) if op is not None else None
-        out = self.translate(base, overload or node.target, args, kwargs, node)
+        out = self.translate(base, _out_of_place(node, base), args, kwargs, node)
         self.env[mutated] = out  # functionalise: later readers of x read the updated value
         return out
 
@@ -336,9 +334,7 @@ class _Translator:
         elif base == "fill":
             piece = self.emit(torch.full_like, (view, args[1]), {}, node)
         else:
-            op = getattr(aten, base, None)
-            overload = getattr(op, node.target._overloadname, None) if op is not None else None
-            piece = self.translate(base, overload or node.target, (view, *args[1:]), kwargs, node)
+            piece = self.translate(base, _out_of_place(node, base), (view, *args[1:]), kwargs, node)
         if kind == "select":
             piece = self.emit(torch.unsqueeze, (piece, dim), {}, node)
         parts = []
@@ -408,6 +404,12 @@ class _Translator:
 
     def device_arg(self) -> Any:
         return torch.device("meta")  # shape propagation runs on meta; the builder reads it as "this rank's device"
+
+
+def _out_of_place(node: fx.Node, base: str) -> Any:
+    """The out-of-place overload of an in-place ATen op (``add_.Tensor`` -> ``add.Tensor``)."""
+    op = getattr(aten, base, None)
+    return getattr(op, node.target._overloadname, None) or node.target
 
 
 def _where(node: fx.Node) -> str:
@@ -601,8 +603,9 @@ def _split(t, args, kwargs, node):
 
 @special("t")
 def _t(t, args, kwargs, node):
-    return t.emit(torch.transpose, (args[0], 0, 1) if node.args[0].meta["val"].dim() == 2 else (args[0], 0, 0), {},
-                  node)  # fmt: skip
+    if node.args[0].meta["val"].dim() < 2:  # a 0-d or 1-d tensor's t() is itself
+        return args[0]
+    return t.emit(torch.transpose, (args[0], 0, 1), {}, node)
 
 
 @special("__and__", "__or__", "__xor__")

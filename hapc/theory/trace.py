@@ -313,23 +313,18 @@ def _none_inputs(model: nn.Module, example_inputs: Any) -> dict[str, Any] | None
     so that ``if labels is not None:`` takes the branch the call takes."""
     import inspect
 
+    from .capture import bind_keywords
+
     try:
         params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
+        given = bind_keywords(model, example_inputs)[0]
+    except (TypeError, ValueError, TraceError):  # variadic forwards: _bind_inputs says what is wrong
         return None
-    given = dict(example_inputs) if isinstance(example_inputs, dict) else {}
-    if not isinstance(example_inputs, dict):
-        ex = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
-        names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        given = dict(zip(names, ex))
     out = {}
     for name, p in params.items():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
-        if name in given:
-            if given[name] is None:
-                out[name] = None
-        elif p.default is None:
+        if (given[name] if name in given else p.default) is None:
             out[name] = None
     return out or None
 

@@ -228,7 +228,7 @@ class _Builder:
         """Strategies of a node; nodes alike in every way a rule can see (op, shapes, constants,
         operand kinds and users) share one evaluation -- the repeated layers of a model."""
         if self._is_static_data(n):
-            return self._static_strategies(n)
+            return self._node_strategies(n, static=True)
         key = self._strategy_key(n)
         hit = self._strategy_cache.get(key)
         if hit is None:
@@ -250,15 +250,6 @@ class _Builder:
             )
         return static[n.index]
 
-    def _static_strategies(self, n: RefNode) -> list[Strategy]:
-        rep = Strategy(tuple(REPLICATED for _ in n.operands), REPLICATED, scaled=False, name="replicate")
-        rule = self.registry.get(n.op)
-        if rule is not None:  # the rule's own replicated call, where it has one (random ops)
-            for s in rule.strategies(OpView(n, self.g)):
-                if s.key() == rep.key() and s.local is not None:
-                    return [s]
-        return [rep]
-
     def _strategy_key(self, n: RefNode) -> tuple | None:
         g = self.g
         try:
@@ -278,7 +269,9 @@ class _Builder:
         except TypeError:  # an unhashable constant: no sharing
             return ("node", n.index)
 
-    def _node_strategies(self, n: RefNode) -> list[Strategy]:
+    def _node_strategies(self, n: RefNode, static: bool = False) -> list[Strategy]:
+        """``static``: only the replicated strategy (the rule's own call where it has one), and no
+        rule needed (see :meth:`_is_static_data`)."""
         from .sfb import sfb_strategies
 
         ops = n.operands
@@ -286,10 +279,11 @@ class _Builder:
         rule = self.registry.get(n.op)
         found: list[Strategy] = []
         if rule is None:
-            self.no_rule(n)
+            if not static:
+                self.no_rule(n)
         else:
             found = rule.strategies(OpView(n, self.g))
-        if self.sfb:
+        if self.sfb and not static:
             found += sfb_strategies(OpView(n, self.g), found)
         out, seen = [rep], {(rep.inputs, rep.output)}
         for s in found:
@@ -299,7 +293,7 @@ class _Builder:
             if (s.inputs, s.output) not in seen or s.name == "sfb":
                 seen.add((s.inputs, s.output))
                 out.append(s)
-        return out
+        return out[:1] if static else out
 
     def no_rule(self, n: RefNode) -> None:
         target = n.target if not n.is_method else f"torch.Tensor.{n.target}"
