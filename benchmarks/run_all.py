@@ -39,6 +39,7 @@ SCRIPTS = {
     "pipeline_schedules": ([], ["--quick"]),
     "schedule_sim": ([], ["--quick"]),
     "planner_speed": ([], []),  # ~10 s at full size; it has no small mode
+    "pipeline_peer": ([], ["--quick"]),  # hapc's pipeline runtime vs torch.distributed.pipelining
 }
 
 
