@@ -161,6 +161,31 @@ case("einsum", lambda a, b, c, g: ({"w": r(g, c, b)}, (r(g, a, b, c), r(g, a, b)
     )
 )
 
+case("mv", lambda a, b, c, g: ({"w": r(g, a, b + 1)}, (r(g, b + 1), r(g, c), r(g, a))))(
+    lambda m, x, y, z: torch.mv(m.w, x).sum() + torch.dot(x, x) + torch.outer(z, y).sum() + torch.ger(y, y).sum()
+)
+
+
+def _affine(a, b, c, g):
+    n, k, o = a + 1, b + 1, c
+    params = {"w": r(g, k, o), "b": r(g, o), "bb": r(g, a, n, o), "row": r(g, n, 1), "v": r(g, n)}
+    return params, (r(g, n, k), r(g, a, n, k), r(g, a, k, o))
+
+
+case("addmm", _affine)(
+    lambda m, x, y, z: (
+        torch.addmm(m.b, x, m.w).sum()  # GPT-2's Conv1D: a bias row
+        + torch.addmm(m.row, x, m.w, beta=0.5, alpha=2.0).sum()  # a bias column
+        + torch.addmm(m.bb[0], x, m.w).sum()  # a whole bias
+        + torch.addmm(m.b[0], x, m.w).sum()  # a 0-d bias
+        + torch.baddbmm(m.bb, y, z).sum()
+        + torch.baddbmm(m.b, y, z, alpha=0.5).sum()
+        + torch.addbmm(m.b, y, z).sum()
+        + torch.addmv(m.v, x, m.w[:, 0]).sum()
+        + torch.addr(m.bb[0], m.v, m.b).sum()
+    )
+)
+
 
 def _attn(a, b, c, g):
     h, s, e = b, c + 1, 3

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..props import shard
+from ..props import PARTIAL, shard
 from ..registry import OpView
-from ..strategy import Strategy
+from ..strategy import LocalCall, Operand, ShardEnd, ShardStart, Strategy
 from . import op, rule
 
 
@@ -154,3 +154,66 @@ def _mha(view: OpView):
         else:
             return []
     return [Strategy(tuple(ins), shard(batch), name="batch")]
+
+
+# matrix-vector, dot and outer products: every index shards; a contracted one gives Partial
+op("mv", "n k, k -> n", linear="each")
+op("dot", "k, k -> ", linear="each")
+op(["outer", "ger"], "n, m -> n m", linear="each")
+
+
+def affine_product(op_name: str, bias, a, b, start: int, end: int, beta: float = 1, alpha: float = 1):
+    """``torch.<op_name>(bias, a, b, beta=, alpha=)`` on one device of a contraction-sharded
+    strategy: only the device holding the first non-empty slice of the contracted index adds the
+    bias, so the devices' results sum to the whole result (the others run with ``beta=0``)."""
+    import torch
+
+    owner = start == 0 and end > start
+    return getattr(torch, op_name)(bias, a, b, beta=beta if owner else 0, alpha=alpha)
+
+
+#: ``torch.<op>(bias, a, b)``: the product's annotation; the bias broadcasts against the result
+_AFFINE = {
+    "addmm": "n k, k m -> n m",
+    "baddbmm": "b n k, b k m -> b n m",
+    "addbmm": "b n k, b k m -> n m",
+    "addmv": "n k, k -> n",
+    "addr": "n, m -> n m",
+}
+
+
+@rule(list(_AFFINE), doc="like the product (rows, columns shard); a contracted index -> Partial, bias added once")
+def _affine(view: OpView):
+    """``torch.addmm(bias, x, w, beta=1, alpha=1)`` = ``beta * bias + alpha * (x @ w)`` (GPT-2's
+    ``Conv1D``), and ``baddbmm`` / ``addbmm`` / ``addmv`` / ``addr`` alike.
+
+    The bias broadcasts against the result, so a result index shards the bias where the bias
+    carries it. Sharding a contracted index makes the product ``Partial``; the bias must then be
+    added once in the sum: either it is ``Partial`` itself, or it is ``Replicated`` and only the
+    device holding the first slice of the contracted index adds it (:func:`affine_product`).
+    The op is jointly linear in (bias, first factor) and in (bias, second factor).
+    """
+    name = view.node.op
+    product = _AFFINE[name]
+    lhs, res = product.split("->")
+    out_labels = res.split()
+    bias = view.operands[0]
+    if bias.rank > len(out_labels):
+        return []
+    bias_labels = out_labels[len(out_labels) - bias.rank :]
+    spec = f"{' '.join(bias_labels)}, {lhs.strip()} -> {res.strip()}"
+    beta, alpha = view.node.kwargs.get("beta", 1), view.node.kwargs.get("alpha", 1)  # keyword-only
+    out = []
+    for s in view.annotate(spec, linear=[(0, 1), (0, 2)]):
+        if not (s.output.is_partial and s.is_scaled):
+            out.append(s)
+            continue
+        # a contracted index: the bias joins Partial, or one device adds it
+        out.append(Strategy((PARTIAL, *s.inputs[1:]), PARTIAL, name=f"{s.name}-partial-bias"))
+        a_dim = s.inputs[1].dim
+        local = LocalCall(
+            affine_product,
+            (name, Operand(0), Operand(1), Operand(2), ShardStart(1, a_dim), ShardEnd(1, a_dim), beta, alpha),
+        )
+        out.append(Strategy(s.inputs, PARTIAL, local=local, name=s.name))
+    return out
