@@ -290,11 +290,47 @@ class _Translator:
             raise TraceError(
                 f"in-place {base}_() on {what} ({getattr(new_x, 'target', new_x)}) at {_where(node)}: hapc "
                 "does not replay in-place updates of parameters, buffers, inputs or views yet; write it out of "
-                "place (y = x.{0}(...)) or move the update out of forward".format(base)
+                f"place (y = x.{base}(...)) or move the update out of forward"
             )
         out = self.translate(base, _out_of_place(node, base), args, kwargs, node)
         self.env[mutated] = out  # functionalise: later readers of x read the updated value
+        self.refresh_views(mutated, node)  # and so do views of x taken before the update
         return out
+
+    def refresh_views(self, mutated: fx.Node, node: fx.Node, skip: fx.Node | None = None) -> None:
+        """Views of ``mutated`` taken before the in-place ``node`` and read after it see the update
+        in eager PyTorch (they share storage): re-derive each from the updated value, in graph order.
+
+        Example: ``z = y.view(-1); y.add_(1); z.sum()`` reads ``view(y + 1)``, not ``view(y)``."""
+        here = self.order(node)
+        root = mutated
+        while _mutates(root) and isinstance(root.args[0], fx.Node):  # y.add_(1).mul_(3): the chain's storage is y
+            root = root.args[0]
+        bases, frontier = {root}, [root]
+        while frontier:  # y and every earlier in-place result on it (each is y)
+            b = frontier.pop()
+            for u in b.users:
+                if self.order(u) < here and _mutates(u) and u.args[0] is b and u not in bases:
+                    bases.add(u)
+                    frontier.append(u)
+        for b in bases:
+            self.env[b] = self.env[mutated]
+        views: list[fx.Node] = []
+        frontier = list(bases)
+        while frontier:
+            b = frontier.pop()
+            for u in b.users:
+                if u is not skip and self.order(u) < here and u not in views and _is_view_of(u, b):
+                    views.append(u)
+                    frontier.append(u)
+        if not views:
+            return
+        later = {v for v in views if any(self.order(u) > here for u in v.users)}
+        for v in sorted(views, key=self.order, reverse=True):  # a view is needed if it or a view of it is read
+            if any(w in later for w in v.users):
+                later.add(v)
+        for v in sorted(later, key=self.order):
+            self.env[v] = self.call(v)
 
     def inplace_on_slice(self, node: fx.Node, base: str, args: tuple, kwargs: dict) -> Any:
         """``x[..., a:b] = y`` / ``x[:, i].fill_(v)`` on a fresh tensor ``x`` (T5's ``_shift_right``):
@@ -345,6 +381,7 @@ class _Translator:
             parts.append(self.emit(torch.narrow, (base_new, dim, end, n - end), {}, node))
         updated = parts[0] if len(parts) == 1 else self.emit(torch.cat, (parts, dim), {}, node)
         self.env[base_ep] = updated
+        self.refresh_views(base_ep, node, skip=view_ep)
         self.env[view_ep] = piece if kind == "slice" else self.emit(torch.squeeze, (piece, dim), {}, node)
         return self.env[view_ep]
 
@@ -410,6 +447,28 @@ def _out_of_place(node: fx.Node, base: str) -> Any:
     """The out-of-place overload of an in-place ATen op (``add_.Tensor`` -> ``add.Tensor``)."""
     op = getattr(aten, base, None)
     return getattr(op, node.target._overloadname, None) or node.target
+
+
+def _aten_name(node: fx.Node) -> str:
+    schema = getattr(node.target, "_schema", None)
+    return schema.name.split("::")[-1] if schema is not None else ""
+
+
+def _mutates(node: fx.Node) -> bool:
+    """An in-place ATen op (``add_``): its result is its first operand."""
+    schema = getattr(node.target, "_schema", None)
+    name = _aten_name(node)
+    return schema is not None and schema.is_mutable and name.endswith("_") and not name.endswith("__")
+
+
+def _is_view_of(node: fx.Node, base: fx.Node) -> bool:
+    """Whether ``node`` shares ``base``'s storage: a view op on it, or an item of a view op's list
+    (``split``/``chunk``/``unbind``)."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return _aten_name(base) in _VIEWS
+    return _aten_name(node) in _VIEWS and bool(node.args) and node.args[0] is base
 
 
 def _where(node: fx.Node) -> str:

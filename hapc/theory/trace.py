@@ -419,10 +419,11 @@ def _bind_inputs(gm: fx.GraphModule, example_inputs: Any) -> dict[str, Any]:
             "input; give forward named parameters (def forward(self, x, y)) or wrap the model in one that does"
         )
     if isinstance(example_inputs, dict):
-        missing = [n for n in names if n not in example_inputs and not n.startswith("*")]
+        defaults = {n.target: n.args[0] for n in gm.graph.nodes if n.op == "placeholder" and n.args}
+        missing = [n for n in names if n not in example_inputs and n not in defaults and not n.startswith("*")]
         if missing:
             raise TraceError(f"example_inputs has no value for model input(s) {missing}")
-        return {n: example_inputs[n] for n in names if n in example_inputs}
+        return {n: example_inputs[n] if n in example_inputs else defaults[n] for n in names if not n.startswith("*")}
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
@@ -731,11 +732,13 @@ class _Builder:
                 "updates of parameters, buffers or inputs in forward yet; write it out of place, or move "
                 "the update out of forward (e.g. after optimizer.step())"
             )
-        later = [u for u in mutated.users if u is not n and self.order[u] > self.order[n]]
-        if later:
+        here = self.order[n]
+        later = [u for a in _aliases(mutated) for u in a.users if u is not n and self.order[u] > here]
+        if later:  # x, or a view sharing its storage, is read after the update (the capture error lets
+            # capture="auto" retry with torch.export, whose functionalisation re-derives such views)
             raise TraceError(
-                f"in-place {n.target}() at {_source(n)} mutates {mutated.name}, which is used again "
-                f"later ({later[0].name}); write it out of place (y = x.{n.target[:-1]}(...))"
+                f"in-place {n.target}() at {_source(n)} mutates {mutated.name}, which (or a view of which) is "
+                f"used again later ({later[0].name}); write it out of place (y = x.{n.target[:-1]}(...))"
             )
         name = n.target[:-1]
         if not hasattr(torch.Tensor, name):
@@ -818,6 +821,38 @@ def _ref_structure(out: Any, leaves: list[Ref | None]) -> Any:
 
 _VIEW_METHODS = {"view", "reshape", "transpose", "permute", "t", "unsqueeze", "squeeze", "flatten", "narrow",
                  "select", "expand", "as_strided", "view_as", "unflatten", "detach", "diagonal", "unfold"}  # fmt: skip
+
+
+#: ops whose result may share its operand's storage (a view, or a no-op conversion)
+_MAY_ALIAS = _VIEW_METHODS | {"split", "chunk", "unbind", "movedim", "moveaxis", "swapaxes", "swapdims", "contiguous",
+                              "to", "type", "type_as", "float", "double", "half", "bfloat16", "long", "int", "bool",
+                              "expand_as", "reshape_as", "ravel", "getitem"}  # fmt: skip
+
+
+def _may_alias(node: fx.Node) -> bool:
+    """Whether ``node``'s result may share its first operand's storage (``x.data``, ``x.T`` too)."""
+    if node.op == "call_function" and node.target is getattr:
+        return len(node.args) > 1 and node.args[1] in ("data", "T", "mT", "H", "mH", "real", "imag")
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return name in _MAY_ALIAS and bool(node.args) and isinstance(node.args[0], fx.Node)
+
+
+def _aliases(node: fx.Node) -> list[fx.Node]:
+    """Every node that may share ``node``'s storage: its base through views, and every view of that
+    base (transitively). An in-place update of one is seen by all of them in eager PyTorch."""
+    root = node
+    for _ in range(64):
+        if not _may_alias(root):
+            break
+        root = root.args[0]
+    found, frontier = [root], [root]
+    while frontier:
+        b = frontier.pop()
+        for u in b.users:
+            if _may_alias(u) and u.args[0] is b and u not in found:
+                found.append(u)
+                frontier.append(u)
+    return found
 
 
 def _mutated_root(node: fx.Node) -> str | None:
