@@ -11,9 +11,11 @@ Ops marked ``@custom_op`` are also single nodes of the reference graph with thei
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -250,7 +252,24 @@ def dropout(
     return input * _mask_scale(stream, op, p, tuple(input.shape), starts, full, input.device, input.dtype)
 
 
-@torch.compiler.disable  # eager under torch.compile: int64 wrap-around must not be constant-folded
+def _eager_under_compile(fn: Callable) -> Callable:
+    """``torch.compiler.disable(fn)``, applied on the first call made while ``torch._dynamo`` is
+    loaded: decorating at import would import dynamo (and inductor), about 1 s of every cold start.
+    Without dynamo loaded nothing can be compiling, so ``fn`` runs as is."""
+    disabled: list[Callable] = []
+
+    @functools.wraps(fn)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        if not disabled:
+            if "torch._dynamo" not in sys.modules:
+                return fn(*args, **kwargs)
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+
+    return inner
+
+
+@_eager_under_compile  # eager under torch.compile: int64 wrap-around must not be constant-folded
 def _mask_scale(
     stream: RandomStream, op: str, p: float, shape: tuple, starts: tuple, full: tuple, device: Any, dtype: Any
 ) -> torch.Tensor:

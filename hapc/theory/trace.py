@@ -17,8 +17,10 @@ Three steps:
 from __future__ import annotations
 
 import contextlib
+import linecache
 import operator
 import os
+import sys
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -102,7 +104,9 @@ class _Tracer(fx.Tracer):
         autowrap = tuple(registry.custom_functions.values())
         super().__init__(autowrap_functions=autowrap)
         self.leaves = leaves
-        self.record_stack_traces = True
+        # fx's record_stack_traces symbolizes the whole stack of every node (and imports torch._inductor
+        # on the first): ~1 s of a cold `hapc synth`. create_proxy records the one frame hapc reports.
+        self.record_stack_traces = False
         self.example_inputs = example_inputs
         self._placeholders = 0
         self.device = _example_device(example_inputs)
@@ -117,6 +121,7 @@ class _Tracer(fx.Tracer):
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
         p = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        p.node.meta["stack_trace"] = _model_frame()
         try:
             p.node.meta["hapc_val"] = self._meta_value(p.node)
         except Exception:  # the authoritative propagation after tracing reports real problems
@@ -352,6 +357,19 @@ def _untraceable_message(model: nn.Module, exc: Exception) -> str:
         "into a function decorated with @hapc.custom_op and give it a rule"
     )
     return f"cannot trace {type(model).__name__}: {reason}\n  at {where}\n  {hint}"
+
+
+def _model_frame() -> str | None:
+    """The innermost frame of the model's own code (not torch's, not hapc's), in the form of fx's
+    ``stack_trace`` (what :func:`_source` reads), or None."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith("<frozen") and not os.path.abspath(filename).startswith((_TORCH_DIR, _HAPC_DIR)):
+            code = linecache.getline(filename, frame.f_lineno).strip()
+            return f'  File "{filename}", line {frame.f_lineno}, in {frame.f_code.co_name}\n    {code}\n'
+        frame = frame.f_back
+    return None
 
 
 def _source(node: fx.Node) -> str:
