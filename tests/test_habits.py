@@ -6,12 +6,16 @@ a forced parameter-sharding plan (Megatron TP at fixed uneven ratios)."""
 
 from __future__ import annotations
 
+import functools
 import io
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
 from harness import assert_close
+from torch import nn
 
 import hapc
 from hapc import models
@@ -363,3 +367,325 @@ def test_pipeline_ranks_given_different_targets_are_refused():
     for value, grads in run_distributed(_pipeline_masked_targets, 2, True, timeout=240):
         assert value == pytest.approx(loss.item(), rel=1e-12)
         assert_close(grads, {k: p.grad for k, p in model.named_parameters()}, F64, "pipeline grads")
+
+
+# -- the habits matrix: items 1, 3, 4, 5, 8, 10 and weight tying under every plan of PLANS ----------------
+# One process start per plan runs every case (process start is the cost); the single-device references
+# are computed once in the parent. Items 2, 6 and 7 are above, item 11 below, items 9 and data loading
+# in tests/test_checkpoint_regions.py and tests/test_data_loading.py.
+
+
+class Tied(nn.Module):
+    """A language model whose output layer is its token embedding (GPT-2, BERT-MLM, T5)."""
+
+    def __init__(self, vocab: int = 40, hidden: int = 32):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, hidden)
+        self.ln = nn.LayerNorm(hidden)
+        self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        x = x + self.down(F.gelu(self.up(self.ln(x))))
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+class Smoothed(nn.Module):
+    """A ``self.training`` branch that is neither dropout nor batch norm: label smoothing in training only."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.down(F.gelu(self.up(x))), y, label_smoothing=0.1 if self.training else 0.0)
+
+
+class AttnDropout(nn.Module):
+    """BERT-style attention whose only dropout is SDPA's ``dropout_p`` (as Hugging Face passes it)."""
+
+    def __init__(self, vocab: int = 29, hidden: int = 32, heads: int = 4, p: float = 0.1):
+        super().__init__()
+        self.heads, self.p = heads, p
+        self.wte = nn.Embedding(vocab, hidden)
+        self.q, self.k, self.v = (nn.Linear(hidden, hidden) for _ in range(3))
+        self.out, self.head = nn.Linear(hidden, hidden), nn.Linear(hidden, vocab)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        b, t, h = x.shape
+        q, k, v = (f(x).view(b, t, self.heads, h // self.heads).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.p if self.training else 0.0)
+        x = x + self.out(y.transpose(1, 2).reshape(b, t, h))
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+@hapc.custom_op("b h, h -> b h")
+def _habit_scale(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * w
+
+
+@hapc.custom_op("b h, h -> b")  # wrong: a slice's squared sum is no Partial of the whole one's
+def _habit_wrong_sumsq(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x * w).sum(-1) ** 2
+
+
+class CustomOp(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+        self.up, self.w = nn.Linear(8, 24), nn.Parameter(torch.linspace(0.5, 1.5, 24))
+        self.down = nn.Linear(24, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.up(x))
+        if self.fn is _habit_wrong_sumsq:
+            return self.fn(h, self.w).mean()
+        return self.down(self.fn(h, self.w)).square().mean()
+
+
+class StepCounter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros(()))
+        self.register_buffer("avg", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        return self.lin(x).sum()
+
+
+class RunningAverage(StepCounter):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        self.avg.mul_(0.9).add_(h.mean(0).detach(), alpha=0.1)
+        return h.sum()
+
+
+class ClampData(StepCounter):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.lin.weight.data.clamp_(-0.1, 0.1)
+        return self.lin(x).sum()
+
+
+class ClampNoGrad(StepCounter):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.lin.weight.clamp_(-0.1, 0.1)
+        return self.lin(x).sum()
+
+
+MUTATING = {  # updates of state in forward hapc refuses (it does not replay them yet), and the text
+    StepCounter: "assigns self.steps",
+    RunningAverage: "in-place",
+    ClampData: "in-place clamp_()",
+    ClampNoGrad: "in-place clamp_()",
+}
+
+
+def _build(name: str) -> tuple[nn.Module, tuple]:
+    """The matrix's models (float64, seeded): zoo aliases or the classes above."""
+    if name in ("gpt", "mlp"):
+        return models.load(name, dtype=F64)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if name == "tied":
+        return Tied().to(F64), (torch.randint(0, 40, (4, 8), generator=g), torch.randint(0, 40, (4, 8), generator=g))
+    if name in ("smoothed", "smoothed-eval"):
+        x = torch.randn(12, 16, generator=g, dtype=F64)
+        return Smoothed().to(F64).train(name == "smoothed"), (x, torch.randint(0, 8, (12,), generator=g))
+    if name == "sdpa":
+        idx = torch.randint(0, 29, (4, 8), generator=g)
+        return AttnDropout().to(F64), (idx, torch.randint(0, 29, (4, 8), generator=g))
+    if name in ("custom", "custom-wrong"):
+        model = CustomOp(_habit_wrong_sumsq if name == "custom-wrong" else _habit_scale).to(F64)
+        return model, (torch.randn(12, 8, generator=g, dtype=F64),)
+    raise KeyError(name)
+
+
+MATRIX_MODELS = ("gpt", "tied", "smoothed", "smoothed-eval", "sdpa", "custom")
+
+
+@functools.cache
+def _matrix_plan(name: str, world: int, kind: str):
+    model, inputs = _build(name)
+    options = {"baseline": "tp", "ratios": UNEVEN[world]} if kind == "tp" else {}
+    plan = hapc.synthesize(model, CLUSTERS[world], inputs, **options)
+    if kind == "tp":
+        params = {k.replace(".", "_") for k, _ in model.named_parameters()}
+        assert any(
+            i.layout.is_sharded and plan.node_names[i.ref] in params
+            for i in plan.instructions
+            if type(i).__name__ == "Source"
+        ), f"the forced plan shards {name}'s parameters"
+    return plan
+
+
+def _clip_steps(module, inputs, steps: int = 3) -> tuple[list[float], list[float]]:
+    """AdamW with torch's own ``clip_grad_norm_`` every step (every step clips: the norms are > 0.02)."""
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2, eps=1e-6)
+    losses, norms = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = module(*inputs)
+        loss.backward()
+        losses.append(loss.item())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(module.parameters(), 0.02)))
+        opt.step()
+    return losses, norms
+
+
+def _sgd_steps(module, inputs, steps: int = 3) -> tuple[list[float], Any]:
+    """SGD with momentum; the losses and the first backward's gradients."""
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    losses, first = [], None
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = module(*inputs)
+        loss.backward()
+        losses.append(loss.item())
+        if first is None:
+            first = module.full_gradients() if hasattr(module, "full_gradients") else _grads(module)
+        opt.step()
+    return losses, first
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+
+
+def _state(module) -> dict[str, torch.Tensor]:
+    if hasattr(module, "full_state_dict"):
+        return module.full_state_dict()
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _refusal(fn) -> str:
+    with pytest.raises(hapc.HapcError) as err:
+        fn()
+    return str(err.value)
+
+
+def _habits_job(rank: int, world: int, kind: str, plans: dict) -> dict[str, Any]:
+    cluster, out = CLUSTERS[world], {}
+    # 1: torch.nn.utils.clip_grad_norm_ over the module's parameters (sharded ones under "tp")
+    model, inputs = _build("gpt")
+    m = hapc.compile(model, cluster, inputs, plan=plans["gpt"])
+    out["clip"] = (*_clip_steps(m, inputs), m.full_state_dict())
+    # weight tying: one parameter under two names, sharded under "tp"
+    model, inputs = _build("tied")
+    m = hapc.compile(model, cluster, inputs, plan=plans["tied"])
+    out["tied"] = (*_sgd_steps(m, inputs), m.full_state_dict(), list(m.state_dict()))
+    # 3: a self.training branch: the training program is exact, the switch to eval refused; the eval
+    # mode's own program (compiled after model.eval()) is exact and refuses the switch back
+    model, inputs = _build("smoothed")
+    m = hapc.compile(model, cluster, inputs, plan=plans["smoothed"])
+    trained = (*_sgd_steps(m, inputs, 2), m.full_state_dict())
+    to_eval = _refusal(m.eval)
+    model, inputs = _build("smoothed-eval")
+    e = hapc.compile(model, cluster, inputs, plan=plans["smoothed-eval"])
+    with torch.no_grad():
+        eval_loss = e(*inputs).item()
+    out["branch"] = (trained, to_eval, eval_loss, _refusal(e.train))
+    # 8: SDPA's dropout_p trains as hapc's one-rank run; in eval mode it is off: one device's numbers
+    model, inputs = _build("sdpa")
+    torch.manual_seed(1234)  # the masks' seed (rank 0's, agreed)
+    m = hapc.compile(model, cluster, inputs, plan=plans["sdpa"])
+    losses, _ = _sgd_steps(m, inputs)
+    m.eval()
+    with torch.no_grad():
+        evaluated = m(*inputs).item()
+    out["sdpa"] = (losses, m.full_state_dict(), evaluated, m.rng.step)
+    # 10: a custom op with a wrong annotation is refused at compile; a right one trains exactly
+    model, inputs = _build("custom-wrong")
+    wrong = _refusal(lambda: hapc.compile(model, cluster, inputs, plan=plans["custom"]))
+    model, inputs = _build("custom")
+    m = hapc.compile(model, cluster, inputs, plan=plans["custom"])
+    out["custom"] = (wrong, *_sgd_steps(m, inputs), m.full_state_dict())
+    # 4, 5: buffers and parameters updated in forward are refused at capture; the model is left untouched
+    options = {"baseline": "tp", "ratios": UNEVEN[world]} if kind == "tp" else {}
+    out["mutating"] = {}
+    for cls in MUTATING:
+        torch.manual_seed(0)
+        model = cls().to(F64)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        x = torch.randn(6, 4, dtype=F64)
+        text = _refusal(lambda model=model, x=x: hapc.compile(model, cluster, (x,), **options))
+        untouched = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+        out["mutating"][cls.__name__] = (text, untouched)
+    return out
+
+
+@functools.cache
+def _matrix_reference() -> dict[str, Any]:
+    """Single-device numbers (and hapc's one-rank run for the dropout model)."""
+    ref: dict[str, Any] = {}
+    model, inputs = _build("gpt")
+    ref["clip"] = (*_clip_steps(model, inputs), _state(model))
+    model, inputs = _build("tied")
+    losses, grads = _sgd_steps(model, inputs)
+    grads["head.weight"] = grads["wte.weight"]  # full_gradients() keys by state_dict name: both names
+    ref["tied"] = (losses, grads, _state(model), list(model.state_dict()))
+    model, inputs = _build("smoothed")
+    trained = (*_sgd_steps(model, inputs, 2), _state(model))
+    model, inputs = _build("smoothed-eval")
+    with torch.no_grad():
+        ref["branch"] = (trained, model(*inputs).item())
+    model, inputs = _build("custom")
+    ref["custom"] = (*_sgd_steps(model, inputs), _state(model))
+    one = cluster_of([1e10])
+    model, inputs = _build("sdpa")
+    ref["sdpa"] = run_distributed(_one_rank_sdpa, 1, one, hapc.synthesize(model, one, inputs))[0]
+    return ref
+
+
+def _one_rank_sdpa(rank: int, world: int, cluster, plan) -> tuple:
+    model, inputs = _build("sdpa")
+    torch.manual_seed(1234)
+    m = hapc.compile(model, cluster, inputs, plan=plan)
+    return _sgd_steps(m, inputs)[0], m.full_state_dict()
+
+
+@pytest.mark.parametrize("world, kind", PLANS)
+def test_habits_are_exact_or_refused(world, kind):
+    plans = {name: _matrix_plan(name, world, kind) for name in MATRIX_MODELS}
+    ref = _matrix_reference()
+    results = run_distributed(_habits_job, world, kind, plans)
+    for rank, got in enumerate(results):
+        where = f"{world} ranks, {kind} plan, rank {rank}"
+        # 1: clipping: clip_grad_norm_'s total norm, the losses and the weights of one device
+        assert all(n > 0.02 for n in ref["clip"][1]), "every step clips"
+        assert_close(got["clip"], ref["clip"], F64, f"{where}: clip_grad_norm_ (losses, norms, weights)")
+        # tying: losses, the tied parameter's one gradient, the weights under both names
+        assert_close(got["tied"], ref["tied"], F64, f"{where}: tied weights")
+        # 3: the training-mode branch trains exactly; eval mode's program is eval's; switches refused
+        trained, to_eval, eval_loss, to_train = got["branch"]
+        assert_close(trained, ref["branch"][0], F64, f"{where}: label smoothing in training")
+        assert eval_loss == pytest.approx(ref["branch"][1], rel=1e-12), f"{where}: eval-mode program"
+        assert "computes something else in eval mode" in to_eval and "compile a second module" in to_eval
+        assert "computes something else in training mode" in to_train and "model.train() then hapc.compile" in to_train
+        # 8: SDPA dropout: hapc's one-rank run exactly; eval mode: one device with those weights
+        losses, state, evaluated, step = got["sdpa"]
+        want_losses, want_state = ref["sdpa"]
+        assert step == 3
+        assert_close(losses, want_losses, F64, f"{where}: SDPA dropout_p losses vs one rank")
+        assert_close(state, want_state, F64, f"{where}: SDPA dropout_p weights vs one rank")
+        plain, inputs = _build("sdpa")
+        plain.load_state_dict(state)
+        with torch.no_grad():
+            assert evaluated == pytest.approx(plain.eval()(*inputs).item(), rel=1e-12), f"{where}: eval mode"
+        # 10: a wrong annotation refused, naming the op; a right one exact
+        wrong, *custom = got["custom"]
+        assert "_habit_wrong_sumsq" in wrong and "is unsound" in wrong and "Fix its annotation" in wrong
+        assert_close(custom, list(ref["custom"]), F64, f"{where}: a correctly annotated custom op")
+        # 4, 5: refused with the line's cause, the model's state untouched
+        for name, (text, untouched) in got["mutating"].items():
+            assert MUTATING[globals()[name]] in text and "hapc does not replay" in text, f"{where}: {name}: {text}"
+            assert untouched, f"{where}: capturing {name} changed the model's state"
+    # the same refusal on every rank
+    for key in ("mutating",):
+        assert all(r[key] == results[0][key] for r in results)
+    assert len({r["custom"][0] for r in results}) == 1 and len({r["branch"][1] for r in results}) == 1
