@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     ".api": ("compile", "synthesize"),
     ".cluster": ("Cluster",),
+    ".codegen.optimizers": ("elementwise_optimizer",),
     ".errors": (
         "ClusterError",
         "DistributedRunError",
@@ -67,6 +68,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from . import checkpoint, ops, pipeline
     from .api import compile, synthesize
     from .cluster import Cluster
+    from .codegen.optimizers import elementwise_optimizer
     from .errors import (
         ClusterError,
         DistributedRunError,
@@ -166,6 +168,7 @@ __all__ = [
     "compile",
     "custom_op",
     "derive",
+    "elementwise_optimizer",
     "ops",
     "pipeline",
     "register_op",
