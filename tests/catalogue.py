@@ -14,7 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import hapc
 import hapc.ops as hops
+from hapc.theory.opnames import qualified_name
+from hapc.theory.registry import default_registry
+from hapc.theory.rules.moe import GROUPED_MM
 
 D = torch.float64
 
@@ -327,6 +331,94 @@ case("expand", lambda a, b, c, g: ({}, (r(g, a, 1, c), r(g, a, b, c))))(
 case("tril", _3d)(lambda m, x, y, z: x.tril() + x.triu(1))
 case("flip", _3d)(lambda m, x, y, z: x.flip(1) + x.roll(1, 2))
 case("pad", _3d)(lambda m, x, y, z: F.pad(x, (1, 1)).sum() + F.pad(x, (0, 0, 1, 0), value=1.0).sum())
+case("cummax", _3d)(lambda m, x, y, z: x.cummax(1)[0] + x.cummin(2).indices + x.cummin(0).values)
+case("histc", _3d)(lambda m, x, y, z: torch.histc(x, bins=4, min=-1.0, max=1.0) + torch.histc(x * 2, 3).sum())
+
+
+def _perm(gen, n, *lead):
+    """Distinct indices along the last dim (a scatter that writes each place once)."""
+    return torch.rand(*lead, n, generator=gen).argsort(-1)
+
+
+def _indexing(a, b, c, g):
+    """x [a, b+1, c] with index buffers for dims 0, 1 and 2."""
+    x = r(g, a, b + 1, c)
+    buffers = {
+        "i0": ints(g, a, 4),  # rows of x, repeats allowed
+        "i1": ints(g, b + 1, a, min(3, b + 1), c),  # gather / scatter along dim 1, other dims as in x
+        "i2": ints(g, c, a, 1, min(2, c)),  # along dim 2, dim 1 narrower than x's
+        "p1": _perm(g, b + 1, a, c).transpose(1, 2).contiguous(),  # a permutation along dim 1
+        "u0": torch.randperm(a, generator=g)[: max(1, a - 1)],  # distinct rows
+        "reps": torch.arange(b + 1) % 3,  # repeats 0, 1, 2, 0...
+    }
+    return {}, (x, r(g, 4, b + 1, c), r(g, a, b + 1, c)), buffers
+
+
+case("index_select", _indexing)(
+    lambda m, x, y, z: (
+        x.index_select(1, m.i0 % x.shape[1]).sum()
+        + torch.index_select(x, 0, m.i0).sum()
+        + x.index_select(2, m.i0[0] % x.shape[2]).sum()
+    )
+)
+case("gather", _indexing)(lambda m, x, y, z: x.gather(1, m.i1).sum() + torch.gather(x, 2, m.i2).sum())
+case("scatter", _indexing)(
+    lambda m, x, y, z: (
+        x.scatter(1, m.p1, z).sum()
+        + x.scatter(1, m.p1, 0.0).sum()
+        + x.scatter(1, m.p1[:, :1], 2.0).sum()
+        + x.scatter_add(1, m.i1, z).sum()
+        + x.scatter_add(1, m.i1, z[:, :3]).sum()
+        + torch.scatter_add(x, 2, m.i2, z).sum()
+        + x.scatter_reduce(1, m.i1, z, "sum").sum()
+        + x.scatter_reduce(1, m.i1, z, "mean", include_self=False).sum()
+        + x.scatter_reduce(1, m.i1, z, "amax").sum()
+        + x.scatter(1, m.i1, z, reduce="add").sum()
+    )
+)
+case("index_add", _indexing)(
+    lambda m, x, y, z: (
+        x.index_add(0, m.i0, y[:, :1].expand(-1, -1, x.shape[2]) * 0 + z[:1].expand(4, -1, -1)).sum()
+        + x.index_add(1, m.i0 % x.shape[1], z[:, :1].expand(-1, 4, -1), alpha=0.5).sum()
+        + x.index_copy(0, m.u0, z[: m.u0.shape[0]]).sum()
+        + x.index_fill(1, m.i0 % x.shape[1], 0.0).sum()
+        + x.index_fill(2, m.i0[:1] % x.shape[2], -1.0).sum()
+    )
+)
+case("index_put", _indexing)(
+    lambda m, x, y, z: (
+        torch.index_put(x, (m.u0,), z[: m.u0.shape[0]]).sum()
+        + x.index_put((m.i0,), z[:1, :, :1], accumulate=True).sum()
+        + x.index_put((m.u0, m.u0 % x.shape[1]), z[0, 0]).sum()
+    )
+)
+case("getitem-index", _indexing)(
+    lambda m, x, y, z: x[m.i0].sum() + x[:, m.i1[0, :2, 0]].sum() + x[..., m.i0 % x.shape[2]].sum()
+)
+case("repeat_interleave", _indexing)(
+    lambda m, x, y, z: (
+        x.repeat_interleave(2, dim=1).sum()
+        + x[0, 0].repeat_interleave(3).sum()
+        + torch.repeat_interleave(x, m.reps, dim=1, output_size=sum(k % 3 for k in range(x.shape[1]))).sum()
+        + x.repeat_interleave(torch.tensor(2), dim=-1, output_size=2 * x.shape[-1]).sum()
+    )
+)
+case("repeat", _3d)(lambda m, x, y, z: x.repeat(1, 2, 1).sum() + x.repeat(2, 1, 1, 1).sum() + torch.tile(x, (2,)).sum())
+case("diff", _3d)(
+    lambda m, x, y, z: torch.diff(x, dim=1).sum() + torch.diff(x, n=2, dim=-1, prepend=x[..., :1], append=x[..., -1:])
+)
+case("one_hot", _indexing)(
+    lambda m, x, y, z: F.one_hot((x > 0).long(), 2).sum() + F.one_hot((z * 3).long().clamp(0, 2), 3)
+)
+case("new_zeros", _3d)(
+    lambda m, x, y, z: (
+        (x.new_zeros(x.shape) + x).sum()
+        + x.new_zeros((3, x.shape[0])).sum()
+        + (x.new_ones(x.shape[1:]) * x).sum()
+        + x.new_full((x.shape[0], 2), 2.0).sum()
+        + (x.new_full(x.shape, 0.0, dtype=torch.float64) + x).sum()
+    )
+)
 case("constants", _3d)(lambda m, x, y, z: x * torch.arange(x.shape[2], dtype=D) + torch.ones(x.shape, dtype=D).tril())
 
 
@@ -382,6 +474,34 @@ def _moe_fn(m, x, y, z):
 
 
 case("moe", _moe)(_moe_fn)
+
+
+@hapc.custom_op()
+def grouped_mm_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """transformers' ``grouped_mm_fallback`` in plain torch: rows ``offs[g-1]:offs[g]`` times ``b[g]``,
+    zeros past the last offset. The built-in rule for that op is aliased to it here, so the
+    catalogue checks the rule without importing transformers (tests/test_rules_realworld.py checks
+    it on the real op)."""
+    if a.device.type == "meta":  # shape propagation
+        return a.new_empty(a.shape[0], b.shape[2])
+    ends = offs.tolist()
+    starts = [0, *ends[:-1]]
+    rows = [a[s:e] @ b[g] for g, (s, e) in enumerate(zip(starts, ends))]
+    rows.append(a.new_zeros(a.shape[0] - ends[-1], b.shape[2]))
+    return torch.cat(rows)
+
+
+default_registry.alias(GROUPED_MM[-1], qualified_name(grouped_mm_reference))
+
+
+def _grouped(a, b, c, g):
+    experts, rows = c + 1, 2 * a + 3
+    cuts = torch.randint(0, rows, (experts,), generator=g).sort().values  # empty groups too
+    cuts[-1] = rows - 1  # the last row, past the final offset, stays zero
+    return {"w": r(g, experts, b + 1, 3)}, (r(g, rows, b + 1),), {"offs": cuts.to(torch.int32)}
+
+
+case("grouped_mm", _grouped)(lambda m, x, y, z: grouped_mm_reference(x, m.w, m.offs))
 
 
 def _mha(a, b, c, g):

@@ -127,3 +127,27 @@ def _combine(view: OpView):
             )
         )
     return out
+
+
+#: grouped matrix products (``out[rows of group g] = a[rows of g] @ b[g]``, groups ended by ``offs``):
+#: torch's and the fallback Hugging Face transformers registers for its MoE experts
+GROUPED_MM = [
+    "grouped_mm",
+    "torch._VariableFunctionsClass._grouped_mm",
+    "torch._ops.transformers.transformers::grouped_mm_fallback",
+]
+
+
+@rule(GROUPED_MM, doc="2-D x 3-D with offs: out-features shard; in-features -> Partial; linear in a and b")
+def _grouped_mm(view: OpView):
+    """``grouped_mm(a [S, K], b [E, K, N], offs [E])`` (transformers' ``grouped_mm_experts_forward``).
+
+    Rows belong to groups by the offsets and experts to rows, so neither shards here; within a
+    group it is a matrix product, so ``N`` shards (``b`` column-sharded) and ``K`` gives ``Partial``.
+    """
+    offs = view.arg(2, "offs")
+    if view.num_operands != 3 or offs is None or [m.rank for m in view.operands] != [2, 3, 1]:
+        return []
+    if view.node.kwargs.get("bias") is not None:
+        return []
+    return view.annotate("s^ k, e^ k n, e^ -> s^ n", linear=[(0,), (1,)])

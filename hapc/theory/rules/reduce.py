@@ -83,7 +83,7 @@ def _max(view: OpView):
 
 
 @rule(
-    ["softmax", "log_softmax", "cumprod", "logcumsumexp", "sort", "argsort", "normalize"],
+    ["softmax", "log_softmax", "cumprod", "logcumsumexp", "sort", "argsort", "normalize", "cummax", "cummin"],
     doc="every dim but `dim` shards",
 )
 def _along_dim(view: OpView):
@@ -110,6 +110,16 @@ def _topk(view: OpView):
     d = view.dim(view.arg(2, "dim", -1))
     names = [n + ("^" if k == d else "") for k, n in enumerate(labels(view.operands[0].rank))]
     return view.annotate(f"{' '.join(names)} -> {' '.join(names)}")
+
+
+@rule("histc", doc="every dim shards, counts -> Partial (fixed range); a range from the data never")
+def _histc(view: OpView):
+    """``torch.histc(x, bins, min, max)``: counts of the slices add up, so a sharded ``x`` gives
+    ``Partial`` counts -- unless ``min == max``, when the range is the data's own min and max."""
+    low, high = view.arg(2, "min", 0), view.arg(3, "max", 0)
+    if low == high:
+        return []
+    return view.annotate(f"{' '.join(labels(view.operands[0].rank))} -> b^")
 
 
 @rule(["layer_norm", "rms_norm"], doc="leading dims shard; normalised dims and affine params never")

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from ..props import PARTIAL, REPLICATED, shard
 from ..registry import OpView
 from ..strategy import OUT, LocalCall, Operand, ShardLen, Strategy
@@ -113,9 +115,10 @@ def _permute(view: OpView):
 
 @rule("getitem", doc="dims taken whole by `:` shard; indexed and sliced dims never; linear")
 def _getitem(view: OpView):
-    """Basic indexing ``x[:, 0, 1:3, None, ...]``; tensor indices are left replicated."""
+    """Basic indexing ``x[:, 0, 1:3, None, ...]``; one integer index tensor among whole dims
+    (``x[idx]``, ``x[:, idx]``) like ``index_select``; an item of a tuple of tensors."""
     if view.num_operands != 1:
-        return []
+        return _getitem_tensors(view)
     idx = view.node.args[1]
     idx = idx if isinstance(idx, tuple) else (idx,)
     rank = view.operands[0].rank
@@ -143,6 +146,38 @@ def _getitem(view: OpView):
             ins.append(name + "^")
         d += 1
     return view.annotate(f"{' '.join(ins)} -> {' '.join(outs)}", linear="each")
+
+
+def _getitem_tensors(view: OpView):
+    """``pair[i]`` on a tuple of tensors, or ``x[idx]`` with one integer index tensor."""
+    src, idx = view.node.args[0], view.node.args[1]
+    if isinstance(src, (tuple, list)):  # one item of a tuple of tensors: the others stay as they are
+        if not isinstance(idx, int) or not all(_is_ref(v) for v in src):
+            return []
+        pos = idx % len(src)
+        specs = [
+            " ".join(labels(m.rank) if k == pos else [f"u{k}_{j}^" for j in range(m.rank)])
+            for k, m in enumerate(view.operands)
+        ]
+        return view.annotate(f"{', '.join(specs)} -> {' '.join(labels(view.out.rank))}", linear=[(pos,)])
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if view.num_operands != 2 or not _is_ref(src) or sum(_is_ref(i) for i in idx) != 1:
+        return []
+    if not all(_is_ref(i) or i is Ellipsis or i == slice(None) for i in idx) or sum(i is Ellipsis for i in idx) > 1:
+        return []
+    x, index = view.operands
+    if index.dtype == torch.bool:
+        return []  # a mask: the result's length depends on the values
+    p = 0
+    for i in idx:
+        if _is_ref(i):
+            break
+        p += x.rank - (len(idx) - 1) if i is Ellipsis else 1
+    names = labels(x.rank)
+    xs = [n + ("^" if k == p else "") for k, n in enumerate(names)]
+    ids = [f"i{j}" for j in range(index.rank)]
+    outs = names[:p] + ids + names[p + 1 :]
+    return view.annotate(f"{' '.join(xs)}, {' '.join(ids)} -> {' '.join(outs)}", linear=[(0,)])
 
 
 def _fixed_dim_spec(rank: int, d: int, remove: bool = False) -> str:
@@ -237,3 +272,221 @@ def _pad(view: OpView):
 
 # creation from a template tensor: only its shape is read, so any layout maps through
 op(["ones_like", "empty_like", "full_like", "rand_like", "randn_like"], "... -> ...", doc="every dim shards")
+
+
+# -- creation from a tensor's dtype and device ----------------------------------------------------
+_NEW = ["new_zeros", "new_ones", "new_full", "new_empty"]
+
+
+@rule(_NEW, doc="the result shards on any dim (local sizes); new_zeros is also Partial")
+def _new(view: OpView):
+    """``x.new_zeros(size)`` (T5's ``_shift_right``): only ``x``'s dtype and device are read, so the
+    result may be created sharded on any dim (each device makes its own slice) from a replicated
+    ``x``, or from ``x`` sharded alike when the shapes agree. Zeros are also a ``Partial`` zero."""
+    name, x, out = view.node.op, view.operands[0], view.out
+    extra = tuple(view.node.args[2:]) if name == "new_full" else ()
+    if name == "new_full" and not extra:
+        extra = (view.node.kwargs["fill_value"],)
+    kwargs = tuple((k, v) for k, v in view.node.kwargs.items() if k not in ("size", "fill_value"))
+    strategies = []
+    for d, n in enumerate(out.shape):
+        if n <= 1:
+            continue
+        size = tuple(ShardLen(OUT, d) if k == d else m for k, m in enumerate(out.shape))
+        local = LocalCall(name, (Operand(0), size, *extra), kwargs, is_method=True)
+        strategies.append(Strategy((REPLICATED,), shard(d), local=local, name=f"d{d}"))
+        if tuple(x.shape) == tuple(out.shape):
+            strategies.append(Strategy((shard(d),), shard(d), local=local, name=f"like-d{d}"))
+    zero = name == "new_zeros" or (name == "new_full" and extra and extra[0] == 0)
+    if zero:
+        strategies.append(Strategy((REPLICATED,), PARTIAL, scaled=False, name="zeros"))
+    return strategies
+
+
+# -- indexing with index tensors --------------------------------------------------------------------
+def _is_ref(value: object) -> bool:
+    from ..graph import Ref
+
+    return isinstance(value, Ref)
+
+
+@rule("index_select", doc="dims not indexed shard; the index (and the result's dim) shard with x whole on it; linear")
+def _index_select(view: OpView):
+    """``x.index_select(dim, idx)``: the result's ``dim`` follows ``idx``, every other dim follows ``x``."""
+    x, idx = view.operands
+    d = view.dim(view.arg(1, "dim"))
+    names = labels(x.rank)
+    xs = [n + ("^" if k == d else "") for k, n in enumerate(names)]
+    outs = [("i" if idx.rank else "1") if k == d else n for k, n in enumerate(names)]
+    return view.annotate(f"{' '.join(xs)}, {'i' if idx.rank else ''} -> {' '.join(outs)}", linear=[(0,)])
+
+
+@rule("gather", doc="the index's dims shard (x whole on `dim`, sharded alike where sizes agree); linear in x")
+def _gather(view: OpView):
+    """``x.gather(dim, idx)``: ``out[..., j, ...] = x[..., idx[..., j, ...], ...]`` along ``dim``;
+    every dim of ``idx`` (and the result) shards, ``x`` alongside where it has the same size."""
+    x, idx = view.operands
+    d = view.dim(view.arg(1, "dim"))
+    xs, ids = [], []
+    for k in range(idx.rank):
+        same = k != d and k < x.rank and x.shape[k] == idx.shape[k]
+        xs.append(f"d{k}" if same else f"x{k}^")
+        ids.append(f"d{k}")
+    return view.annotate(f"{' '.join(xs)}, {' '.join(ids)} -> {' '.join(ids)}", linear=[(0,)])
+
+
+def _scatter_spec(x, idx, src, d: int) -> tuple[list[str], list[str], list[str]]:
+    """Labels of (x and result, idx, src): a dim other than ``d`` where all sizes agree is shared."""
+    xs, ids, ss = [], [], []
+    for k in range(x.rank):
+        sizes = {x.shape[k], idx.shape[k]} | ({src.shape[k]} if src is not None else set())
+        if k != d and len(sizes) == 1:
+            xs.append(f"d{k}")
+            ids.append(f"d{k}")
+            ss.append(f"d{k}")
+        else:
+            xs.append(f"x{k}^")
+            ids.append(f"i{k}^")
+            ss.append(f"s{k}^")
+    return xs, ids, ss
+
+
+def _split_add(view: OpView, index_pos: int, index_dim: int, src_dim: int) -> list[Strategy]:
+    """An additive scatter with its updates split over devices: each adds its share to its summand
+    of a ``Partial`` x, so the results sum to x plus every update."""
+    idx, src = view.operands[index_pos], view.operands[2]
+    if idx.shape[index_dim] <= 1 or idx.shape[index_dim] != src.shape[src_dim]:
+        return []
+    ins = (PARTIAL, shard(index_dim), shard(src_dim))
+    return [Strategy(ins, PARTIAL, links=(((1, index_dim), (2, src_dim)),), name="split-add")]
+
+
+@rule(["scatter", "scatter_add", "scatter_reduce"], doc="dims other than `dim` shard where x, index, src agree; linear")
+def _scatter(view: OpView):
+    """``x.scatter(dim, idx, src | value, reduce=)``, ``x.scatter_add(dim, idx, src)``,
+    ``x.scatter_reduce(dim, idx, src, reduce, include_self=)``. Jointly linear in (x, src) when the
+    reduction is a plain write, a sum or a mean; a sum may also split the updates (``split-add``)."""
+    name = view.node.op
+    x, idx = view.operands[0], view.operands[1]
+    src = view.operands[2] if view.num_operands == 3 else None
+    d = view.dim(view.arg(1, "dim"))
+    reduce = view.arg(4, "reduce") if name != "scatter_add" else "sum"
+    reduce = {"add": "sum", "multiply": "prod"}.get(reduce, reduce)
+    include_self = bool(view.arg(5, "include_self", True)) if name == "scatter_reduce" else True
+    xs, ids, ss = _scatter_spec(x, idx, src, d)
+    if src is None:  # x.scatter(dim, idx, value)
+        value = view.arg(3, "value")
+        linear = [(0,)] if reduce is None and value == 0 else None
+        return view.annotate(f"{' '.join(xs)}, {' '.join(ids)} -> {' '.join(xs)}", linear=linear)
+    linear = [(0, 2)] if reduce in (None, "sum", "mean") else None
+    spec = f"{' '.join(xs)}, {' '.join(ids)}, {' '.join(ss)} -> {' '.join(xs)}"
+    strategies = view.annotate(spec, linear=linear)
+    if reduce == "sum" and include_self and idx.shape == src.shape:
+        strategies += _split_add(view, 1, d, d)
+    return strategies
+
+
+@rule(["index_add", "index_copy", "index_fill"], doc="dims other than `dim` shard; linear in (x, source)")
+def _index_update(view: OpView):
+    """``x.index_add(dim, idx, src, alpha=)``, ``x.index_copy(dim, idx, src)``, ``x.index_fill(dim,
+    idx, value)``: rows ``idx`` of ``x`` along ``dim`` are updated; every other dim shards.
+    ``index_add`` may also split its updates over devices (``split-add``)."""
+    name = view.node.op
+    x = view.operands[0]
+    d = view.dim(view.arg(1, "dim"))
+    names = labels(x.rank)
+    xs = [n + ("^" if k == d else "") for k, n in enumerate(names)]
+    srcs = [f"s{k}^" if k == d else n for k, n in enumerate(names)]
+    ops = [" ".join(xs), "i^" if view.operands[1].rank else ""]
+    if view.num_operands == 3:
+        value = view.operands[2]
+        ops.append(" ".join(srcs) if value.rank == x.rank else " ".join(f"v{k}^" for k in range(value.rank)))
+        linear = [(0, 2)]
+    else:  # index_fill with a number
+        linear = [(0,)] if view.arg(3, "value") == 0 else None
+    strategies = view.annotate(f"{', '.join(ops)} -> {' '.join(xs)}", linear=linear)
+    if name == "index_add" and view.operands[1].rank == 1:
+        strategies += _split_add(view, 1, 0, d)
+    return strategies
+
+
+@rule("index_put", doc="dims after the indexed ones shard where the values carry them; linear in (x, values)")
+def _index_put(view: OpView):
+    """``x[idx] = v`` as ``x.index_put((idx,), v, accumulate)``: the indexed leading dims stay
+    whole; each later dim shards in x, the result and the values (broadcast from the right)."""
+    indices = view.arg(1, "indices")
+    if not isinstance(indices, (tuple, list)) or not indices or not all(_is_ref(i) for i in indices):
+        return []
+    metas = view.operands
+    x, idx, values = metas[0], metas[1:-1], metas[-1]
+    lead = sum(m.rank if m.dtype == torch.bool else 1 for m in idx)  # a mask covers its rank in dims
+    if lead > x.rank:
+        return []
+    xs = [f"x{k}^" if k < lead else f"d{k}" for k in range(x.rank)]
+    vs = []
+    for j in range(values.rank):
+        k = x.rank - (values.rank - j)  # the x dim this value dim broadcasts against
+        vs.append(f"d{k}" if k >= lead and values.shape[j] == x.shape[k] else f"v{j}^")
+    spec = [" ".join(xs), *(" ".join(f"i{n}_{k}^" for k in range(m.rank)) for n, m in enumerate(idx)), " ".join(vs)]
+    return view.annotate(f"{', '.join(spec)} -> {' '.join(xs)}", linear=[(0, view.num_operands - 1)])
+
+
+# -- repetition and differences ---------------------------------------------------------------------
+@rule("repeat_interleave", doc="every dim shards (the repeated one in whole repeats); linear")
+def _repeat_interleave(view: OpView):
+    """``x.repeat_interleave(r, dim)``: element ``i`` of ``dim`` becomes ``r`` consecutive
+    elements, so a slice of ``x`` maps to a slice ``r`` times longer; per-element repeats (a
+    tensor ``r``) leave ``dim`` whole. Without ``dim`` x is flattened first (1-D x only)."""
+    if view.arg(1, "repeats") is None and view.num_operands == 1:
+        return []  # torch.repeat_interleave(repeats): the result depends on the values
+    x, out = view.operands[0], view.out
+    d = view.arg(2, "dim")
+    if d is None:
+        if x.rank != 1:
+            return []
+        d = 0
+    d = view.dim(d)
+    names = labels(x.rank)
+    xs = [n + ("^" if k == d else "") for k, n in enumerate(names)]
+    outs = [f"r{k}^" if k == d else n for k, n in enumerate(names)]
+    specs = [" ".join(xs)] + [" ".join(f"n{k}^" for k in range(m.rank)) for m in view.operands[1:]]
+    strategies = view.annotate(f"{', '.join(specs)} -> {' '.join(outs)}", linear=[(0,)])
+    scalar_repeats = view.num_operands == 1 or view.operands[1].numel == 1
+    if scalar_repeats and x.shape[d] > 1 and out.shape[d] % x.shape[d] == 0:
+        ins = (shard(d),) + (REPLICATED,) * (view.num_operands - 1)
+        local = None
+        if view.node.kwargs.get("output_size") is not None:  # the local result's length
+            from ..local import default_call
+
+            call = default_call(view.node)
+            kwargs = {**dict(call.kwargs), "output_size": ShardLen(OUT, d)}
+            local = LocalCall(call.target, call.args, tuple(kwargs.items()), call.is_method)
+        strategies.append(Strategy(ins, shard(d), local=local, name=f"d{d}-repeats"))  # linked: in proportion
+    return strategies
+
+
+@rule(["repeat", "tile"], doc="dims repeated once shard; tiled dims never; linear")
+def _repeat(view: OpView):
+    """``x.repeat(2, 1, 3)`` / ``x.tile(dims)``: a tiled dim's slice is not a slice of the result."""
+    x, out = view.operands[0], view.out
+    lead = out.rank - x.rank
+    xs, outs = [], [f"n{k}^" for k in range(lead)]
+    for k, n in enumerate(x.shape):
+        same = out.shape[lead + k] == n
+        xs.append(f"d{k}" if same else f"d{k}^")
+        outs.append(f"d{k}" if same else f"t{k}^")
+    return view.annotate(f"{' '.join(xs)} -> {' '.join(outs)}", linear="each")
+
+
+@rule("diff", doc="every dim but `dim` shards; jointly linear with prepend / append")
+def _diff(view: OpView):
+    """``torch.diff(x, n, dim, prepend, append)``: neighbours along ``dim`` are coupled."""
+    d = view.dim(view.arg(2, "dim", -1))
+    names = labels(view.operands[0].rank)
+    specs = [" ".join(f"a{i}^" if k == d else n for k, n in enumerate(names)) for i in range(view.num_operands)]
+    outs = " ".join("o^" if k == d else n for k, n in enumerate(names))
+    return view.annotate(f"{', '.join(specs)} -> {outs}", linear="all")
+
+
+# one-hot encoding: every index dim shards, the new class dim never does
+op("one_hot", "... -> ... c^")
