@@ -506,7 +506,7 @@ def _build(name: str) -> tuple[nn.Module, tuple]:
     raise KeyError(name)
 
 
-MATRIX_MODELS = ("gpt", "tied", "smoothed", "smoothed-eval", "sdpa", "custom")
+MATRIX_MODELS = ("gpt", "tied", "smoothed", "smoothed-eval", "sdpa", "custom", "custom-wrong")
 
 
 @functools.cache
@@ -601,7 +601,7 @@ def _habits_job(rank: int, world: int, kind: str, plans: dict) -> dict[str, Any]
     out["sdpa"] = (losses, m.full_state_dict(), evaluated, m.rng.step)
     # 10: a custom op with a wrong annotation is refused at compile; a right one trains exactly
     model, inputs = _build("custom-wrong")
-    wrong = _refusal(lambda: hapc.compile(model, cluster, inputs, plan=plans["custom"]))
+    wrong = _refusal(lambda: hapc.compile(model, cluster, inputs, plan=plans["custom-wrong"]))
     model, inputs = _build("custom")
     m = hapc.compile(model, cluster, inputs, plan=plans["custom"])
     out["custom"] = (wrong, *_sgd_steps(m, inputs), m.full_state_dict())
