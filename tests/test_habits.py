@@ -799,3 +799,29 @@ def test_dropped_state_updates_are_exact_or_refused(cls, world, kind):
             assert any(w in got for w in ("in forward", "in-place", "replay")), got
             continue
         assert_close(got, want, F64, f"rank {rank}: {cls.__name__} trained as on one device")
+
+
+# -- item 11: cluster files (no ranks needed; every field and unit in tests/test_cluster_units.py) ---------
+
+
+@pytest.mark.parametrize(
+    "link, expected",
+    [
+        ('bandwidth = "2 GB", latency = "20 us"', "is a size, but this field is a bandwidth"),
+        ('bandwidth = "1e-30 GB/s", latency = "20 us"', "looks wrong"),
+        ('bandwidth = "25 GB/s", latency = "1e9 s"', "looks wrong"),
+    ],
+)
+def test_cluster_files_with_wrong_units_or_absurd_magnitudes_are_refused(tmp_path, link, expected):
+    path = tmp_path / "lab.toml"
+    path.write_text(
+        'name = "lab"\n[[group]]\nname = "gpu"\ndevices = 2\nflops = "20 TFLOPS"\nmemory = "16 GiB"\n'
+        f"[links]\ninter_host = {{ {link} }}\n"
+    )
+    model, inputs = models.load("mlp", dtype=F64)
+    with pytest.raises(hapc.HapcError, match=expected) as err:
+        hapc.synthesize(model, str(path), inputs)  # where a user's file goes in
+    assert str(path) in str(err.value) and "links.inter_host" in str(err.value)
+    good = link.replace('"2 GB"', '"2 GB/s"').replace("1e-30", "25").replace("1e9 s", "20 us")
+    path.write_text(path.read_text().replace(link, good))
+    assert hapc.synthesize(model, str(path), inputs).device_ratios == pytest.approx([0.5, 0.5])
