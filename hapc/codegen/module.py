@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
+import weakref
 from collections import OrderedDict
 from collections.abc import Collection, Iterator
 from typing import Any
@@ -157,6 +158,9 @@ class CompiledModule(nn.Module):
         }
         self._setup_grad_sync()
         self._grad_norms = install_grad_norms(self)  # sharded gradients' norms are the whole ones
+        # requires_grad as compiled: a frozen parameter is a constant of the plan, and this module
+        # trains its own copies -- a flag changed on the model object later must not pass silently
+        self._flags = [(k, weakref.ref(p), p.requires_grad) for k, p in model.named_parameters()]
 
     # -- running ------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -168,6 +172,7 @@ class CompiledModule(nn.Module):
             raise TypeError(f"missing model input(s) {missing}")
         bound = self._from_even_shares(bound)
         _check_inputs(self._graph_inputs, self._free_dims, bound)
+        self._check_flags()
         self._flush()
         if self.world > 1 and torch.is_grad_enabled():
             self._prepare_accumulation()
@@ -194,6 +199,39 @@ class CompiledModule(nn.Module):
             if key in self._unused:
                 self._unused[key] += 1
         return self._structured(out, extras)
+
+    def _check_flags(self) -> None:
+        """Refuse a ``requires_grad`` changed on the model given to ``hapc.compile`` (not this module's)."""
+        for key, ref, flag in self._flags:
+            p = ref()
+            if p is not None and p.requires_grad != flag:
+                how = "froze" if flag else "unfroze"
+                fix = (
+                    f"freeze this module's copy instead (dict(module.named_parameters())[{key!r}].requires_grad_(False): "
+                    "names as in your model)"
+                    if flag
+                    else "a parameter frozen at compile is a constant of the plan: call hapc.compile again with it "
+                    "trainable"
+                )
+                raise HapcError(
+                    f"{how} {key!r} on the model given to hapc.compile after compiling; the compiled module trains "
+                    f"its own parameters, so this would change nothing: {fix}"
+                )
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters (whole or its shard) under the names the model gives them
+        (``blocks.0.attn.q.weight``), as FSDP2's are: name-based parameter groups and freezing rules
+        written for the model select the same parameters here. Parameters frozen at compile are
+        constants of the plan (buffers), not listed."""
+        seen: set[int] = set()
+        for key, attr in self._targets().items():
+            p = self._tensor(attr)
+            if not isinstance(p, nn.Parameter) or (remove_duplicate and id(p) in seen):
+                continue
+            seen.add(id(p))
+            yield prefix + key, p
 
     def _structured(self, loss: torch.Tensor, extras: tuple) -> Any:
         """What the model returns (a ``ModelOutput``, dict, tuple or the loss alone), the loss and
@@ -574,7 +612,8 @@ class CompiledModule(nn.Module):
         for work, b in self._launched:
             work.wait()
             for p in self._buckets[b]:
-                p.grad = self._view_of[id(p)]
+                if p.requires_grad:  # frozen after compile: no gradient, as on one device
+                    p.grad = self._view_of[id(p)]
         self._restore_gradients()
         self._reset_sync()
         self._unsynced = False
