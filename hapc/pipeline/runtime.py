@@ -193,12 +193,20 @@ class PipelineModule(nn.Module):
         install_pipeline_norms(self.module, self.job, rank == spec.ranks[self.stage][0])
         self.device = self.module.device
         self.actions: list[Action] = schedule(spec.warmups, spec.num_micro)[self.stage]
+        self._calls = [(a.kind, a.micro) for a in self.actions]
         # how each cut's rows travel (HetAuto §5.2): slices held by senders, rows needed by receivers
         self.cut = [_Boundary(k, stages, theories, spec) for k in range(S - 1)]
         self.inbound = self.cut[self.stage - 1] if self.stage > 0 else None
         self.outbound = self.cut[self.stage] if self.stage < S - 1 else None
         self._link_free: dict[int, float] = {}  # per destination: when the emulated link is idle again
         self.peak_in_flight = 0  # most micro-batches held between forward and backward in a step
+        self.peak_sends = 0  # most sends held (not yet known received) at once in a step
+        # messages go straight to the process group (no per-call checks of torch.distributed's wrappers);
+        # ranks are global, the group spans every rank in order
+        self._pg = self.job if self.job is not None else dist.distributed_c10d._get_default_group()
+        # the warm-up counts as the action lists run them (capped by the micro-batch count)
+        self._warm = [min(w, spec.num_micro) for w in spec.warmups]
+        self._pool: list[torch.Tensor] = []  # activation receive buffers, reused across micro-batches and steps
         # emulated links, as (stage, stage + 1) pairs; all of them unless ``emulate["between"]`` says
         self._slow_links = {tuple(p) for p in (emulate or {}).get("between", zip(range(S), range(1, S)))}
         # state_dict names (and shapes) of the parameters and buffers each stage holds
@@ -218,11 +226,9 @@ class PipelineModule(nn.Module):
             raise TypeError(f"train_step takes the model inputs {self.input_names}, got {len(inputs)} values")
         step = _Step(self, [dict(zip(self.input_names, b)) for b in micro_batches(inputs, self.num_micro, self.batch)])
         step.weights = self._micro_weights(step.batches)
-        for a in self.actions:
-            getattr(step, a.kind)(a.micro)  # one method per action kind, as fx's Interpreter
-        for works, *_ in step.sends:
-            for work in works:
-                work.wait()
+        for kind, m in self._calls:
+            getattr(step, kind)(m)  # one method per action kind, as fx's Interpreter
+        step.release(list(step.sends))  # the sends whose receipt no later message proved
         self.compute_seconds = step.compute
         mark_stage_grads(self.module)
         return self._batch_loss(step.losses, step.weights, inputs)
@@ -276,24 +282,46 @@ class PipelineModule(nn.Module):
         return value[0].clone()
 
     # -- messages -------------------------------------------------------------------------------------
-    def _isend(self, x: torch.Tensor, dst: int, tag: int, emulated: bool) -> tuple[list[Any], torch.Tensor]:
-        """Start sending ``x`` with its (emulated) arrival time appended: one message, never waited on here."""
-        nbytes = x.numel() * x.element_size()
-        when = self._arrival(dst, nbytes) if emulated else 0.0
-        stamp = torch.tensor([when], dtype=torch.float64, device=x.device).view(x.dtype)
-        msg = torch.cat([x.detach().reshape(-1), stamp])
-        return [dist.isend(msg, dst=dst, tag=tag, group=self.job)], msg
+    def _isend(self, x: torch.Tensor, dst: int, tag: int, emulated: bool) -> tuple[Any, torch.Tensor]:
+        """Start sending ``x`` (with its emulated arrival time appended when links are emulated): one
+        message, never waited on here. Returns the work and the tensor it reads, which the step holds
+        until a later message proves the receiver has it (:meth:`_Step.release`)."""
+        x = x.detach()
+        if self.emulate is None:
+            msg = x if x.is_contiguous() else x.contiguous()
+        else:
+            nbytes = x.numel() * x.element_size()
+            when = self._arrival(dst, nbytes) if emulated else 0.0
+            stamp = torch.tensor([when], dtype=torch.float64, device=x.device).view(x.dtype)
+            msg = torch.cat([x.reshape(-1), stamp])
+        return self._pg.send([msg], dst, tag), msg
 
-    def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> torch.Tensor:
-        """Receive a message (waiting for its emulated arrival, if any)."""
+    def _recv(
+        self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Receive a message into ``out`` (contiguous, of ``shape``) or a new tensor, waiting for its
+        emulated arrival, if any."""
+        if self.emulate is None:
+            buf = out if out is not None else torch.empty(shape, dtype=dtype, device=self.device)
+            self._pg.recv([buf], src, tag).wait()
+            return buf
         numel = math.prod(shape)
         extra = torch.empty(1, dtype=torch.float64).view(dtype).numel()  # the stamp, in elements of dtype
         msg = torch.empty(numel + extra, dtype=dtype, device=self.device)
-        dist.recv(msg, src=src, tag=tag, group=self.job)
+        self._pg.recv([msg], src, tag).wait()
         wait = float(msg[numel:].cpu().view(torch.float64)) - time.monotonic()
         if wait > 0:
             time.sleep(wait)
-        return msg[:numel].view(shape)
+        if out is None:
+            return msg[:numel].view(shape)
+        return out.copy_(msg[:numel].view(shape))
+
+    def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A receive buffer for incoming activations: one a finished micro-batch gave back, or a new one."""
+        for i, b in enumerate(self._pool):
+            if b.shape == shape and b.dtype == dtype:
+                return self._pool.pop(i)
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def _arrival(self, dst: int, nbytes: int) -> float:
         now = time.monotonic()
@@ -387,15 +415,30 @@ class PipelineModule(nn.Module):
 
 
 class _Step:
-    """The state of one training step on one rank while its actions run (see the module table)."""
+    """The state of one training step on one rank while its actions run (see the module table).
+
+    **Sends are released as soon as a later message proves them received** (gloo's send completes
+    only once the receiver has posted its receive, so waiting on it earlier could stall, and a
+    send kept to the step's end keeps its tensor alive): an activation of micro-batch ``m`` sent
+    across the link is received before the next stage's backward of ``m``, so it is released when
+    its gradient comes back (``RECV_GRAD(m)``); a relay's forwards of ``m`` inside its group, when
+    the receivers' gradient contributions of ``m`` arrive (its ``SEND_GRAD(m)``); a gradient of
+    ``m`` sent back, when activation ``m + N_prev`` arrives (``RECV_ACT``): the previous stage sends
+    it only after its backward of ``m`` (``N_prev`` its warm-up count; a relay inside this stage,
+    whose warm-up count is no larger, forwards it after its own ``SEND_GRAD(m)``). What no later
+    message proves is waited on at the step's end."""
 
     def __init__(self, pm: PipelineModule, batches: list[dict[str, Any]]):
         self.pm, self.batches = pm, batches
         self.acts: dict[int, torch.Tensor] = {}  # received activations (leaves whose grad we send back)
+        self.raw: dict[int, torch.Tensor] = {}  # their receive buffers, back to the pool after the backward
         self.outs: dict[int, torch.Tensor] = {}  # outputs awaiting their backward
         self.grads: dict[int, torch.Tensor] = {}  # received output gradients
         self.back: dict[int, torch.Tensor] = {}  # input gradients awaiting their send
-        self.sends: list[tuple[list[Any], torch.Tensor]] = []
+        self.sends: list[tuple[Any, torch.Tensor]] = []  # every send not yet released
+        self.act_sends: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # across the link, by micro-batch
+        self.forwards: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # a relay's copies inside its group
+        self.grad_sends: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # gradients sent back
         self.losses: list[torch.Tensor] = []
         self.compute = 0.0
         self.backwards = 0
@@ -403,26 +446,46 @@ class _Step:
         k = pm.stage
         self.prev = k - 1 if k > 0 else None
         self.next = k + 1 if k < pm.num_stages - 1 else None
+        self.prev_warm = pm._warm[k - 1] if k > 0 else 0
+
+    def _send(self, into: dict[int, list[tuple[Any, torch.Tensor]]], m: int, sent: tuple[Any, torch.Tensor]) -> None:
+        into.setdefault(m, []).append(sent)
+        self.sends.append(sent)
+        self.pm.peak_sends = max(self.pm.peak_sends, len(self.sends))
+
+    def release(self, sent: list[tuple[Any, torch.Tensor]] | None) -> None:
+        """Wait on sends known received (this returns at once) and drop their tensors."""
+        if not sent:
+            return
+        for work, _ in sent:
+            work.wait()
+        done = {id(x) for x in sent}
+        self.sends = [x for x in self.sends if id(x) not in done]
 
     def RECV_ACT(self, m: int) -> None:
         """Rows this rank needs, slice by slice: across the link if it relays the slice, else from
         the slice's relay inside the group (which forwards without waiting)."""
         pm, cut, me = self.pm, self.pm.inbound, dist.get_rank()
         lo, hi = cut.need[me]
-        buf = torch.empty((hi - lo, cut.features), dtype=cut.dtype, device=pm.device)
+        buf = pm._buffer((hi - lo, cut.features), cut.dtype)
         for rt in cut.routes:
             mine = next((c for c in rt.copies if c[0] == me), None)
             if me == rt.relay:
-                piece = pm._recv((rt.hi - rt.lo, cut.features), cut.dtype, rt.src, _ACT)
-                for r, a, b in rt.copies:
-                    if r != me:
-                        self.sends.append(pm._isend(piece[a - rt.lo : b - rt.lo], r, _ACT, False))
                 _, a, b = mine
-                buf[a - lo : b - lo] = piece[a - rt.lo : b - rt.lo]
+                whole = (a, b) == (lo, hi) == (rt.lo, rt.hi)  # the slice is exactly the rows needed: no copy
+                piece = pm._recv((rt.hi - rt.lo, cut.features), cut.dtype, rt.src, _ACT, buf if whole else None)
+                for r, c, d in rt.copies:
+                    if r != me:
+                        self._send(self.forwards, m, pm._isend(piece[c - rt.lo : d - rt.lo], r, _ACT, False))
+                if not whole:
+                    buf[a - lo : b - lo] = piece[a - rt.lo : b - rt.lo]
             elif mine is not None:
                 _, a, b = mine
-                buf[a - lo : b - lo] = pm._recv((b - a, cut.features), cut.dtype, rt.relay, _ACT)
-        self.acts[m] = buf.requires_grad_()
+                pm._recv((b - a, cut.features), cut.dtype, rt.relay, _ACT, buf[a - lo : b - lo])
+        self.raw[m] = buf
+        self.acts[m] = buf.detach().requires_grad_()
+        # the previous stage sent this after its backward of m - N_prev: our gradient of it has arrived
+        self.release(self.grad_sends.pop(m - self.prev_warm, None))
 
     def F(self, m: int) -> None:
         t0 = time.perf_counter()
@@ -442,7 +505,7 @@ class _Step:
         rows = self.outs[m].detach().reshape(-1, cut.features)
         for rt in cut.routes:
             if rt.src == me:
-                self.sends.append(self.pm._isend(rows, rt.relay, _ACT, True))
+                self._send(self.act_sends, m, self.pm._isend(rows, rt.relay, _ACT, True))
 
     def RECV_GRAD(self, m: int) -> None:
         """The gradient of this rank's rows (a replicated output: the first rank's, then broadcast)."""
@@ -452,16 +515,19 @@ class _Step:
             g = torch.empty(out.shape, dtype=out.dtype, device=pm.device)
             for rt in cut.routes:
                 if rt.src == me:
-                    g.copy_(pm._recv((rt.hi - rt.lo, cut.features), cut.dtype, rt.relay, _GRAD).view(out.shape))
+                    pm._recv((rt.hi - rt.lo, cut.features), cut.dtype, rt.relay, _GRAD, g.view(-1, cut.features))
             if pm.module.world > 1:
                 dist.broadcast(g, src=pm.spec.ranks[pm.stage][0], group=pm.group)
         else:
-            g = torch.zeros((out.numel() // cut.features, cut.features), dtype=out.dtype, device=pm.device)
-            for rt in cut.routes:
-                if rt.src == me:
-                    g.copy_(pm._recv((rt.hi - rt.lo, cut.features), cut.dtype, rt.relay, _GRAD))
+            rows = out.numel() // cut.features
+            routes = [rt for rt in cut.routes if rt.src == me]
+            g = (torch.empty if routes else torch.zeros)((rows, cut.features), dtype=out.dtype, device=pm.device)
+            for rt in routes:  # one at most: a rank holds one slice
+                pm._recv((rt.hi - rt.lo, cut.features), cut.dtype, rt.relay, _GRAD, g)
             g = g.view(out.shape)
         self.grads[m] = g
+        # its gradient is back: the next stage received activation m
+        self.release(self.act_sends.pop(m, None))
 
     def B(self, m: int) -> None:
         t0 = time.perf_counter()
@@ -478,6 +544,7 @@ class _Step:
                 out.backward(seed)
         else:
             out.backward(seed)
+        del out, seed
         if self.prev is not None:
             x = self.acts.pop(m)
             self.back[m] = x.grad if x.grad is not None else torch.zeros_like(x)
@@ -492,17 +559,24 @@ class _Step:
         for rt in cut.routes:
             for r, a, b in rt.copies:
                 if r == me and rt.relay != me:
-                    self.sends.append(pm._isend(g[a - lo : b - lo], rt.relay, _GRAD, False))
+                    self._send(self.grad_sends, m, pm._isend(g[a - lo : b - lo], rt.relay, _GRAD, False))
         for rt in cut.routes:
             if rt.relay != me:
                 continue
-            total = torch.zeros((rt.hi - rt.lo, cut.features), dtype=cut.dtype, device=pm.device)
-            for r, a, b in rt.copies:
-                if r == me:
-                    total[a - rt.lo : b - rt.lo] += g[a - lo : b - lo]
-                else:
-                    total[a - rt.lo : b - rt.lo] += pm._recv((b - a, cut.features), cut.dtype, r, _GRAD)
-            self.sends.append(pm._isend(total, rt.src, _GRAD, True))
+            own = [(a, b) for r, a, b in rt.copies if r == me]
+            if len(rt.copies) == 1 and own == [(rt.lo, rt.hi)] and (rt.lo, rt.hi) == cut.need[me]:
+                total = g  # this rank alone took the whole slice: its gradient is the slice's
+            else:
+                total = torch.zeros((rt.hi - rt.lo, cut.features), dtype=cut.dtype, device=pm.device)
+                for r, a, b in rt.copies:
+                    if r == me:
+                        total[a - rt.lo : b - rt.lo] += g[a - lo : b - lo]
+                    else:
+                        total[a - rt.lo : b - rt.lo] += pm._recv((b - a, cut.features), cut.dtype, r, _GRAD)
+            self._send(self.grad_sends, m, pm._isend(total, rt.src, _GRAD, True))
+        # every receiver of this relay's forwards of m has sent its gradient of m: they arrived
+        self.release(self.forwards.pop(m, None))
+        pm._pool.append(self.raw.pop(m))  # nothing holds activation m's buffer any more
 
 
 _ACT, _GRAD = 1, 2  # message tags: activations forward, gradients backward
