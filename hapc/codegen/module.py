@@ -200,6 +200,32 @@ class CompiledModule(nn.Module):
                 self._unused[key] += 1
         return self._structured(out, extras)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> CompiledModule:
+        """A copy with its own parameters and buffers on the same ranks and process groups (which
+        are handles, shared, not copied): ``AveragedModel(module)`` / an EMA copy is another
+        compiled module of the same plan, its forward (every rank calls it) exact on its own
+        weights, its gradient synchronisation set up afresh on its own parameters."""
+        import copy
+
+        pg = dist.ProcessGroup
+        before = copy._deepcopy_dispatch.get(pg)  # type: ignore[attr-defined]
+        copy._deepcopy_dispatch[pg] = lambda group, memo: group  # type: ignore[attr-defined]
+        try:
+            new = type(self).__new__(type(self))
+            memo[id(self)] = new
+            for k, v in self.__dict__.items():
+                if k not in ("_stash_handles",):
+                    new.__dict__[k] = copy.deepcopy(v, memo)
+        finally:
+            if before is None:
+                del copy._deepcopy_dispatch[pg]  # type: ignore[attr-defined]
+            else:
+                copy._deepcopy_dispatch[pg] = before  # type: ignore[attr-defined]
+        new._flags = list(self._flags)
+        new._setup_grad_sync()
+        new._grad_norms = install_grad_norms(new)
+        return new
+
     def _check_flags(self) -> None:
         """Refuse a ``requires_grad`` changed on the model given to ``hapc.compile`` (not this module's)."""
         for key, ref, flag in self._flags:
