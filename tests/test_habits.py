@@ -6,6 +6,7 @@ a forced parameter-sharding plan (Megatron TP at fixed uneven ratios)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import io
 from typing import Any
@@ -589,16 +590,37 @@ def _habits_job(rank: int, world: int, kind: str, plans: dict) -> dict[str, Any]
     e = hapc.compile(model, cluster, inputs, plan=plans["smoothed-eval"])
     with torch.no_grad():
         eval_loss = e(*inputs).item()
-    out["branch"] = (trained, to_eval, eval_loss, _refusal(e.train))
+    to_train = _refusal(e.train)
+    # ... and the DDP habit, model.eval() on the model itself (DDP runs that very module): the module
+    # switches too, so model.eval() refuses as module.eval() does, and is undone
+    model, inputs = _build("smoothed")
+    m = hapc.compile(model, cluster, inputs, plan=plans["smoothed"])
+    _sgd_steps(m, inputs, 1)
+    follows = [_refusal(model.eval), model.training, m.training, m(*inputs).item()]
+    out["branch"] = (trained, to_eval, eval_loss, to_train, follows)
     # 8: SDPA's dropout_p trains as hapc's one-rank run; in eval mode it is off: one device's numbers
     model, inputs = _build("sdpa")
     torch.manual_seed(1234)  # the masks' seed (rank 0's, agreed)
     m = hapc.compile(model, cluster, inputs, plan=plans["sdpa"])
     losses, _ = _sgd_steps(m, inputs)
-    m.eval()
+    model.eval()  # the model's own eval(), as with DDP: the module follows (dropout off)
     with torch.no_grad():
         evaluated = m(*inputs).item()
-    out["sdpa"] = (losses, m.full_state_dict(), evaluated, m.rng.step)
+    assert not m.training
+    model.train()
+    assert m.training
+    model.q.eval()  # a part alone: refused at the next forward, not silently half of it
+    part = _refusal(lambda: m(*inputs))
+    model.q.train()
+    m.eval()  # the module's own switch: the model's too, so model.train() is a switch again
+    assert not model.training
+    with torch.no_grad():
+        assert m(*inputs).item() == evaluated
+    model.train()
+    assert m.training
+    copy.deepcopy(model).eval()  # an EMA copy switches only itself
+    assert m.training and model.training
+    out["sdpa"] = (losses, m.full_state_dict(), evaluated, m.rng.step, part)
     # 10: a custom op with a wrong annotation is refused at compile; a right one trains exactly
     model, inputs = _build("custom-wrong")
     wrong = _refusal(lambda: hapc.compile(model, cluster, inputs, plan=plans["custom-wrong"]))
@@ -633,7 +655,10 @@ def _matrix_reference() -> dict[str, Any]:
     trained = (*_sgd_steps(model, inputs, 2), _state(model))
     model, inputs = _build("smoothed-eval")
     with torch.no_grad():
-        ref["branch"] = (trained, model(*inputs).item())
+        evaluated = model(*inputs).item()
+    model, inputs = _build("smoothed")
+    _sgd_steps(model, inputs, 1)
+    ref["branch"] = (trained, evaluated, model(*inputs).item())
     model, inputs = _build("custom")
     ref["custom"] = (*_sgd_steps(model, inputs), _state(model))
     one = cluster_of([1e10])
@@ -662,13 +687,16 @@ def test_habits_are_exact_or_refused(world, kind):
         # tying: losses, the tied parameter's one gradient, the weights under both names
         assert_close(got["tied"], ref["tied"], F64, f"{where}: tied weights")
         # 3: the training-mode branch trains exactly; eval mode's program is eval's; switches refused
-        trained, to_eval, eval_loss, to_train = got["branch"]
+        trained, to_eval, eval_loss, to_train, follows = got["branch"]
         assert_close(trained, ref["branch"][0], F64, f"{where}: label smoothing in training")
         assert eval_loss == pytest.approx(ref["branch"][1], rel=1e-12), f"{where}: eval-mode program"
         assert "computes something else in eval mode" in to_eval and "compile a second module" in to_eval
         assert "computes something else in training mode" in to_train and "model.train() then hapc.compile" in to_train
+        assert follows[:3] == [to_eval, True, True], f"{where}: model.eval() refused and undone"
+        assert follows[3] == pytest.approx(ref["branch"][2], rel=1e-12), f"{where}: still in training mode"
         # 8: SDPA dropout: hapc's one-rank run exactly; eval mode: one device with those weights
-        losses, state, evaluated, step = got["sdpa"]
+        losses, state, evaluated, step, part = got["sdpa"]
+        assert "switched to another train/eval mode on its own (q)" in part, part
         want_losses, want_state = ref["sdpa"]
         assert step == 3
         assert_close(losses, want_losses, F64, f"{where}: SDPA dropout_p losses vs one rank")

@@ -16,6 +16,14 @@ initial weights without any error. So the compiled module (its *owner*) guards t
   :class:`~hapc.errors.HapcError` saying to call ``module.unwrap()`` (or to use the module's own
   ``state_dict()`` / ``full_state_dict()``).
 
+The model's train/eval mode is the module's, as with DDP (which wraps the model itself, so
+``model.eval()`` switches what ``ddp_model(...)`` runs and ``ddp_model.eval()`` the model):
+``model.train()`` / ``model.eval()`` switch the module too (``module.train(mode)``, which refuses
+where its program cannot serve that mode: the model's switch is then undone and the error raised),
+and ``module.train()`` / ``module.eval()`` switch the model. A part of the model switched alone
+(``model.drop.eval()``) is refused at the module's next forward: hapc switches whole programs.
+Copies of the model (``copy.deepcopy`` for an EMA) switch only themselves.
+
 A model built on the meta device holds no weights at all (its tensors have no values, so nothing
 silent can come of using it) until the module trains; then it is stale like any other.
 
@@ -50,11 +58,17 @@ class Guard:
         self.synced = versions(owner)  # the owner's state when the model last received it
         self.holds_weights = not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
         self.writing = False
+        self.model = weakref.ref(model)
+        self.modes = modes(model)  # the model's train/eval flags as the module last followed them
         self.handles = [
             model.register_forward_pre_hook(self._on_use),
             model.register_state_dict_pre_hook(self._on_state_dict),
             model.register_load_state_dict_post_hook(self._on_load),
+            owner.register_forward_pre_hook(self._check_parts),
         ]
+        # instance attributes win over the class's method: model.eval() (-> self.train(False)) lands here
+        model.__dict__["train"] = _ModelTrain(model)
+        owner.__dict__["train"] = _OwnerTrain(owner)
         ref = weakref.ref(self)
         for p in model.parameters():  # no attribute on the tensor: torch.save(model) must still pickle
             _GUARD_OF[p] = ref
@@ -82,6 +96,10 @@ class Guard:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+        model = self.model()
+        for m in (model, self.owner):
+            if m is not None and isinstance(m.__dict__.get("train"), (_ModelTrain, _OwnerTrain)):
+                del m.__dict__["train"]
 
     def check(self, what: str) -> None:
         if self.stale():
@@ -108,6 +126,70 @@ class Guard:
     def _on_load(self, module: nn.Module, incompatible: Any) -> None:
         if not self.writing:  # the user gave the model weights of their own: in sync from here on
             self.mark_synced()
+
+    def _check_parts(self, owner: nn.Module, args: Any) -> None:
+        """Before each forward of the module: a part of the model switched alone since (whole-model
+        switches are followed when they happen) is refused; all parts switched one by one are followed."""
+        model = self.model()
+        if model is None:
+            return
+        now = modes(model)
+        if now == self.modes:
+            return
+        if len(set(now)) > 1:
+            switched = [name or "the model" for (name, m), was in zip(model.named_modules(), self.modes)
+                        if m.training != was]  # fmt: skip
+            raise HapcError(
+                f"part of the model given to hapc.compile was switched to another train/eval mode on its own "
+                f"({', '.join(switched[:3])}); the compiled module runs one program for the whole model: "
+                "switch the whole model (model.train() / model.eval(), or module.train() / module.eval())"
+            )
+        owner.train(now[0])
+
+
+class _ModelTrain:
+    """``model.train`` of a model given to hapc.compile: the model's own switch, then its module's."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, mode: bool = True) -> nn.Module:
+        model = self.model
+        before = [m.training for m in model.modules()]
+        type(model).train(model, mode)
+        g = model.__dict__.get(_ATTR)
+        if isinstance(g, Guard) and g.model() is model:  # not a copy of the model (an EMA)
+            try:
+                type(g.owner).train(g.owner, mode)
+            except HapcError:
+                for m, was in zip(model.modules(), before):
+                    m.training = was
+                raise
+            g.modes = modes(model)
+        return model
+
+
+class _OwnerTrain:
+    """``module.train`` of a compiled module: its own switch (which may refuse), then its model's."""
+
+    def __init__(self, owner: nn.Module):
+        self.owner = weakref.ref(owner)
+
+    def __call__(self, mode: bool = True) -> nn.Module:
+        owner = self.owner()
+        type(owner).train(owner, mode)
+        ref = owner.__dict__.get("_hapc_original")
+        model = ref() if ref is not None else None
+        g = model.__dict__.get(_ATTR) if model is not None else None
+        if isinstance(g, Guard) and g.owner is owner:
+            type(model).train(model, mode)
+            g.modes = modes(model)
+        return owner
+
+
+def modes(model: nn.Module) -> tuple[bool, ...]:
+    """Every submodule's ``training`` flag, in ``named_modules`` order."""
+    return tuple(m.training for m in model.modules())
 
 
 def versions(owner: nn.Module) -> tuple[int, ...]:
