@@ -174,12 +174,22 @@ def _original_model(rank, world, alias, plan):
     opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
     _train(m, inputs, 1, opt)
     errors = []
-    for use in (lambda: model(*inputs), model.state_dict, lambda: hapc.compile(model, CLUSTERS[world], inputs)):
+    uses = (
+        lambda: model(*inputs),
+        model.state_dict,
+        lambda: hapc.compile(model, CLUSTERS[world], inputs),
+        lambda: torch.save(model, io.BytesIO()),  # the whole model pickled
+    )
+    for use in uses:
         with pytest.raises(hapc.HapcError, match=r"module\.unwrap\(\)") as err:
             use()
         errors.append(str(err.value))
     assert m.unwrap() is model
     after = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    pickled = io.BytesIO()
+    torch.save(model, pickled)  # in sync: a plain model in the file
+    copy = torch.load(io.BytesIO(pickled.getvalue()), weights_only=False)
+    assert_close(dict(copy.state_dict()), after, F64, "torch.save(model) after unwrap()")
     model(*inputs)  # in sync again
     _train(m, inputs, 1, opt)  # the module trains on: stale again
     with pytest.raises(hapc.HapcError, match="the compiled module has trained its own copy"):
@@ -198,7 +208,12 @@ def test_original_model_raises_until_unwrapped(world, kind):
         run_distributed(_original_model, world, alias, _plan(alias, world, kind))
     ):
         assert initial == pytest.approx(want_initial, rel=1e-12)
-        assert all("a forward" in e or "state_dict" in e or "hapc.compile" in e for e in errors)
+        assert [e.split(" of the model")[0] for e in errors] == [
+            "a forward",
+            "state_dict()",
+            "hapc.compile",
+            "torch.save(model)",
+        ]
         assert_close(after, one, F64, f"rank {rank}: unwrap() after one step")
         assert_close(later, two, F64, f"rank {rank}: unwrap() after two steps")
 

@@ -61,9 +61,10 @@ class Guard:
         self.model = weakref.ref(model)
         self.modes = modes(model)  # the model's train/eval flags as the module last followed them
         self.handles = [
-            model.register_forward_pre_hook(self._on_use),
-            model.register_state_dict_pre_hook(self._on_state_dict),
-            model.register_load_state_dict_post_hook(self._on_load),
+            # functions of the module, not methods of the guard: torch.save(model) pickles the hooks
+            model.register_forward_pre_hook(_on_use),
+            model.register_state_dict_pre_hook(_on_state_dict),
+            model.register_load_state_dict_post_hook(_on_load),
             owner.register_forward_pre_hook(self._check_parts),
         ]
         # instance attributes win over the class's method: model.eval() (-> self.train(False)) lands here
@@ -76,6 +77,11 @@ class Guard:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Guard:  # a copy of the model is just as stale
         return self
+
+    def __reduce__(self) -> tuple:
+        """``torch.save(model)``: refused while stale; in sync, the file holds a plain model."""
+        self.check("torch.save(model)")
+        return (_no_guard, ())
 
     def mark_synced(self) -> None:
         self.synced = versions(self.owner)
@@ -145,6 +151,28 @@ class Guard:
                 "switch the whole model (model.train() / model.eval(), or module.train() / module.eval())"
             )
         owner.train(now[0])
+
+
+def _no_guard() -> None:
+    return None
+
+
+def _on_use(module: nn.Module, args: Any) -> None:
+    g = module.__dict__.get(_ATTR)
+    if isinstance(g, Guard):
+        g._on_use(module, args)
+
+
+def _on_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    g = module.__dict__.get(_ATTR)
+    if isinstance(g, Guard):
+        g._on_state_dict(module, prefix, keep_vars)
+
+
+def _on_load(module: nn.Module, incompatible: Any) -> None:
+    g = module.__dict__.get(_ATTR)
+    if isinstance(g, Guard):
+        g._on_load(module, incompatible)
 
 
 class _ModelTrain:
