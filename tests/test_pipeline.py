@@ -20,7 +20,7 @@ from hapc.cluster import Cluster
 from hapc.errors import HapcError
 from hapc.pipeline import compile_pipeline
 from hapc.pipeline.runtime import PipelineModule, PipelineSpec, micro_batches
-from hapc.pipeline.schedule import eager_1f1b_warmup, one_f_one_b_warmup
+from hapc.pipeline.schedule import KINDS, eager_1f1b_warmup, one_f_one_b_warmup
 from hapc.pipeline.stages import balanced_cuts, split_graph
 from hapc.testing import cluster_of, run_distributed
 from hapc.theory import trace
@@ -383,3 +383,76 @@ def test_a_stage_that_hangs_times_out_its_neighbours(tmp_path):
     e = err.value
     assert e.hung == [] and e.died == {}
     assert all("3000ms" in e.errors[r] or "timeout" in e.errors[r].lower() for r in (0, 2)), e.errors
+
+
+def _released_job(rank, world, ranks, warmups, num_micro, emulate):
+    """Train two steps while counting, before every action, the sent tensors still alive (a weak
+    reference per message: gloo's pending send keeps its tensor alive too)."""
+    import weakref
+
+    from hapc.pipeline import runtime
+
+    torch.set_num_threads(1)
+    model, inputs = _model("gpt", 12)
+    graph = trace(model, micro_batches(inputs, num_micro, 12)[0])
+    flops = [1e10, 6e9, 8e9, 5e9, 7e9]
+    spec = PipelineSpec(
+        cuts=balanced_cuts(graph, [1] * len(ranks)),
+        ranks=ranks,
+        clusters=[cluster_of([flops[r] for r in rs]) for rs in ranks],
+        warmups=warmups,
+        num_micro=num_micro,
+    )
+    pm = PipelineModule(model, inputs, spec, emulate=emulate)
+    sent: list = []
+    peak = [0]
+    isend, methods = runtime.PipelineModule._isend, {k: getattr(runtime._Step, k) for k in KINDS}
+
+    def tracked_isend(self, x, dst, tag, emulated):
+        work, msg = isend(self, x, dst, tag, emulated)
+        sent.append(weakref.ref(msg))
+        return work, msg
+
+    def counted(kind):
+        def action(step, m):
+            peak[0] = max(peak[0], sum(r() is not None for r in sent))
+            return methods[kind](step, m)
+
+        return action
+
+    runtime.PipelineModule._isend = tracked_isend
+    for k in KINDS:
+        setattr(runtime._Step, k, counted(k))
+    losses = [pm.train_step(*inputs).item() for _ in range(2)]
+    return {"peak": peak[0], "losses": losses, "grads": pm.full_gradients(), "pool": len(pm._pool)}
+
+
+@pytest.mark.parametrize(
+    "ranks,warmups,emulate",
+    [
+        ([[0], [1], [2]], [3, 2, 1], None),  # one rank per stage
+        ([[0, 1], [2, 3], [4]], [5, 2, 1], {"bandwidth": 2e9, "latency": 1e-4}),  # relays, emulated links
+    ],
+)
+def test_sent_activations_are_released_during_the_step(ranks, warmups, emulate):
+    """Every sent tensor is dropped once a later message proves it received: the live ones stay
+    within the schedule's in-flight counts (not the 2M a stage sends in a step), the activation
+    receive buffers are pooled within the warm-up count, and training equals one device."""
+    num_micro = 12
+    world = sum(map(len, ranks))
+    results = run_distributed(_released_job, world, ranks, warmups, num_micro, emulate, timeout=240)
+    model, inputs = _model("gpt", 12)
+    loss = model(*inputs)
+    loss.backward()
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    stage_of = {r: k for k, rs in enumerate(ranks) for r in rs}
+    for rank, res in enumerate(results):
+        assert_close(res["losses"], [loss.item()] * 2, torch.float64, f"rank {rank} losses")
+        assert_close(res["grads"], {k: 2 * g for k, g in grads.items()}, torch.float64, f"rank {rank} grads")
+        k = stage_of[rank]
+        # activations in flight (N_k) + gradients awaiting the previous stage's next activation
+        # (N_{k-1} + 1); a relay's forwards inside its group are released with the latter
+        bound = warmups[k] + (warmups[k - 1] + 1 if k else 0)
+        assert res["peak"] <= bound < 2 * num_micro, (rank, res["peak"], bound)
+        assert res["pool"] <= (warmups[k] if k else 0), (rank, res["pool"])
+    assert all(any(results[r]["peak"] for r in rs) for rs in ranks), "every stage sends"
