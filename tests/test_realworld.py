@@ -94,7 +94,7 @@ def _check(name: str, world: int, cluster: str, **opts: Any) -> None:
     results = run_distributed(_job, world, name, cluster, opts, timeout=240)
     # HF losses upcast logits with .float(): the loss itself is float32 in both runs
     # (so gradients through it carry float32 rounding of another summation order: 1e-6)
-    f32 = name in ("gpt2", "gpt2-eager", "llama")
+    f32 = name in ("gpt2", "gpt2-eager", "llama", "mixtral")
     loss_tol, tol = (1e-6, 1e-6) if f32 else (1e-12, RTOL)
     for r in results:
         assert r["loss"] == pytest.approx(ref["loss"], rel=loss_tol)
@@ -106,7 +106,9 @@ def _check(name: str, world: int, cluster: str, **opts: Any) -> None:
 
 # (model, processes, cluster, options)
 CASES = [
-    *[(name, 2, "local-cpu:2", {}) for name in realworld.MODELS if name != "t5"],
+    # Mixtral matches one device (loss in float32 as for Llama) but its synthesis takes about a
+    # minute on 2 devices (as Llama's does): left out of this list until synthesis is faster
+    *[(name, 2, "local-cpu:2", {}) for name in realworld.MODELS if name not in ("t5", "mixtral")],
     ("gpt2", 3, "local-cpu:3", {"ratios": (0.4, 0.2)}),
     ("bert-mlm", 3, "local-cpu:3", {"ratios": (0.4, 0.2)}),
     ("llama", 3, "local-cpu:3", {"ratios": (0.4, 0.2)}),
