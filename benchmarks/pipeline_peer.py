@@ -153,12 +153,13 @@ def _emit(graph: fx.Graph, n: Any, env: dict[int, fx.Node]) -> fx.Node:
 
 
 class Link:
-    """The same slow link for both runtimes: wraps ``torch.distributed``'s point-to-point calls.
+    """The same slow link for both runtimes: wraps the process group's ``send`` and ``recv``, which
+    ``torch.distributed``'s ``isend``/``irecv``/``recv`` and hapc's messages all go through.
 
     The sender writes each message's arrival time in ``board`` (shared memory, created before the
-    processes fork), the receiver's ``recv`` / ``irecv().wait()`` sleeps until then. Messages
-    between two ranks with one tag arrive in order, so the k-th receive from a rank with a tag
-    reads the k-th stamp its sender wrote for that tag."""
+    processes fork), the receiver's ``recv(...).wait()`` sleeps until then. Messages between two
+    ranks with one tag arrive in order, so the k-th receive from a rank with a tag reads the k-th
+    stamp its sender wrote for that tag."""
 
     SLOTS = 1 << 14
 
@@ -168,30 +169,23 @@ class Link:
         self.latency = 0.0
 
     def install(self) -> None:
-        import torch.distributed.distributed_c10d as c10d
+        from torch._C._distributed_c10d import ProcessGroup
 
         self.sent: dict[tuple[int, int], int] = {}
         self.got: dict[tuple[int, int], int] = {}
         self.free: dict[int, float] = {}
         self.me = dist.get_rank()
-        orig_isend, orig_irecv, orig_recv = c10d.isend, c10d.irecv, c10d.recv
+        send, recv = ProcessGroup.send, ProcessGroup.recv
         link = self
 
-        def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
-            link._stamp(tensor, _peer(group, dst, group_dst), tag)
-            return orig_isend(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
+        def delayed_send(pg: Any, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
+            link._stamp(tensors[0], dist.get_global_rank(pg, dst), tag)
+            return send(pg, tensors, dst, tag)
 
-        def irecv(tensor, src=None, group=None, tag=0, group_src=None):
-            work = orig_irecv(tensor, src=src, group=group, tag=tag, group_src=group_src)
-            return _Delayed(work, link, _peer(group, src, group_src), tag)
+        def delayed_recv(pg: Any, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
+            return _Delayed(recv(pg, tensors, src, tag), link, dist.get_global_rank(pg, src), tag)
 
-        def recv(tensor, src=None, group=None, tag=0, group_src=None):
-            out = orig_recv(tensor, src=src, group=group, tag=tag, group_src=group_src)
-            link._arrive(_peer(group, src, group_src), tag)
-            return out
-
-        for mod in (c10d, dist):
-            mod.isend, mod.irecv, mod.recv = isend, irecv, recv
+        ProcessGroup.send, ProcessGroup.recv = delayed_send, delayed_recv
 
     def _stamp(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         if not self.bandwidth:
@@ -228,10 +222,6 @@ class _Delayed:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.work, name)
-
-
-def _peer(group: Any, rank: int | None, group_rank: int | None) -> int:
-    return rank if group_rank is None else dist.get_global_rank(group or dist.group.WORLD, group_rank)
 
 
 # ----------------------------------------------------------------------------- one job
