@@ -257,7 +257,10 @@ def _probe(rank, world):
     m = hapc.compile(model, THREE, inputs, plan=None, baseline="dp-cp")
     loss = m(*inputs)
     loss.backward(retain_graph=True)
-    torch.autograd.grad(loss, list(m.parameters()))  # a probe (gradient norm): no .grad is touched
+    # a probe (gradient norm) by autograd.grad would return this rank's partial gradients of the
+    # replicated parameters: refused (tests/test_backward_forms.py); .grad must be left as it was
+    with pytest.raises(hapc.HapcError, match="torch.autograd.grad over parameters the plan replicates"):
+        torch.autograd.grad(loss, list(m.parameters()))
     after_probe = m.full_gradients()
     m.zero_grad(set_to_none=True)
     m(*inputs).backward()

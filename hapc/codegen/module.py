@@ -151,6 +151,8 @@ class CompiledModule(nn.Module):
         # in the loss all-reduce on gloo; on the first call on the eager path); not a pipeline
         # stage's (its activations arrive by the schedule, its model inputs are checked nowhere yet)
         self._whole_inputs = [] if elsewhere else _whole_inputs(theory, plan)
+        # the plan prices and computes parameter gradients only (a pipeline stage's activations apart)
+        self._input_grads_refused = self.world > 1 and not elsewhere
         self._inputs_compared = False
         targets = self._targets()
         self._unused = {
@@ -173,6 +175,15 @@ class CompiledModule(nn.Module):
         bound = self._from_even_shares(bound)
         _check_inputs(self._graph_inputs, self._free_dims, bound)
         self._check_flags()
+        if self._input_grads_refused and torch.is_grad_enabled():
+            wants = [n for n in names if isinstance(bound[n], torch.Tensor) and bound[n].requires_grad]
+            if wants:
+                raise HapcError(
+                    f"input {wants[0]!r} requires grad: hapc's program computes gradients of the parameters only (each "
+                    "rank takes its rows of the batch, and gradient paths into the inputs are not synchronised), so "
+                    "its gradient would differ from one device. Pass it detached (x.detach()); for input gradients "
+                    "(adversarial examples, gradient penalties) compute them on one device"
+                )
         self._flush()
         if self.world > 1 and torch.is_grad_enabled():
             self._prepare_accumulation()
@@ -501,6 +512,34 @@ class CompiledModule(nn.Module):
         if self.world > 1 and not self._output_hook:
             for p in params:
                 p.register_post_accumulate_grad_hook(self._on_grad)
+        if self.world > 1:
+            for p in params:
+                p.register_hook(self._partial_grad_guard(p))
+
+    def _partial_grad_guard(self, p: nn.Parameter):
+        """A replicated parameter's gradient is this rank's Partial sum until the bucket all-reduce,
+        which runs when it is accumulated into ``.grad``. ``torch.autograd.grad(loss, params)`` never
+        accumulates: it would return the Partial sum, different on every rank -- refused instead."""
+        accumulate = p.view_as(p).grad_fn.next_functions[0][0]  # p's AccumulateGrad node
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            try:
+                accumulates = torch._C._will_engine_execute_node(accumulate)
+            except RuntimeError as exc:  # torch cannot ask about a leaf under autograd.grad, which never accumulates
+                if "autograd.grad" not in str(exc):
+                    raise
+                accumulates = False
+            if not accumulates:
+                self._reset_sync()  # the aborted backward runs no queued sync: nothing pending after it
+                self._restore_gradients()
+                raise HapcError(
+                    "torch.autograd.grad over parameters the plan replicates would return this rank's partial "
+                    "gradient (they are summed across ranks when accumulated into .grad): call loss.backward() "
+                    "and read p.grad instead (gradients with respect to inputs or activations are fine)"
+                )
+            return grad
+
+        return hook
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
