@@ -11,7 +11,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
-    "script", ["synth_time.py", "segmentation.py", "runtime_overhead.py", "plan_quality.py", "uneven_experts.py"]
+    "script",
+    [
+        "synth_time.py",
+        "segmentation.py",
+        "runtime_overhead.py",
+        "plan_quality.py",
+        "uneven_experts.py",
+        "pipeline_peer.py",
+    ],
 )
 def test_benchmark_smoke(script, tmp_path):
     out = tmp_path / "out.json"
@@ -47,6 +55,11 @@ def _check_printed(script: str, stdout: str, result: dict) -> None:
         assert "Plan quality" in stdout and "hapc speedup" in stdout
         for case in result["heterogeneous"]:
             assert f"| {case} |" in stdout, case
+    elif script == "pipeline_peer.py":
+        assert "Both equal one device in float64" in stdout
+        for row in result["rows"]:
+            assert row["hapc_s"] > 0 and row["torch_s"] > 0 and row["slow_hapc_s"] > 0
+            assert f"{row['ratio']:.3f}" in stdout and f"{row['slow_ratio']:.3f}" in stdout, row["micro"]
     elif script == "uneven_experts.py":
         assert "Uneven experts" in stdout
         for link in result["links"]:
