@@ -477,8 +477,11 @@ def _print(cfg: GPTConfig, batch: int, steps: int, rounds: int, checked: dict, r
     console = Console(width=140)
     console.print(
         f"pipeline_peer: GPT (layers {cfg.layers}, hidden {cfg.hidden}, seq {cfg.seq}, vocab {cfg.vocab}), batch "
-        f"{batch}, {STAGES} stages at hapc's balanced_cuts, one gloo process each, float32. Both equal one device "
-        f"in float64 (largest relative error: hapc {checked['hapc']:.1e}, torch {checked['torch']:.1e})."
+        f"{batch}, {STAGES} stages at hapc's balanced_cuts, one gloo process each, float32."
+    )
+    console.print(
+        f"Both equal one device in float64 (largest relative error: hapc {checked['hapc']:.1e}, "
+        f"torch {checked['torch']:.1e})."
     )
     table = Table(title=f"1F1B step: median of {steps} interleaved steps per round, median of {rounds} round(s)")
     for col in (
