@@ -18,11 +18,13 @@ initial weights without any error. So the compiled module (its *owner*) guards t
 
 The model's train/eval mode is the module's, as with DDP (which wraps the model itself, so
 ``model.eval()`` switches what ``ddp_model(...)`` runs and ``ddp_model.eval()`` the model):
-``model.train()`` / ``model.eval()`` switch the module too (``module.train(mode)``, which refuses
-where its program cannot serve that mode: the model's switch is then undone and the error raised),
-and ``module.train()`` / ``module.eval()`` switch the model. A part of the model switched alone
-(``model.drop.eval()``) is refused at the module's next forward: hapc switches whole programs.
-Copies of the model (``copy.deepcopy`` for an EMA) switch only themselves.
+``model.train()`` / ``model.eval()`` switch the module too (``module.train(mode)``; where its program
+cannot serve that mode, the model switches alone and every forward of the module raises that
+refusal until the model is switched back -- ``model.eval()`` then ``hapc.compile(model)`` is how a
+second, eval-mode module is made), and ``module.train()`` / ``module.eval()`` switch the model.
+A part of the model switched alone (``model.drop.eval()``) is refused at the module's next forward:
+hapc switches whole programs. Copies of the model (``copy.deepcopy`` for an EMA) switch only
+themselves.
 
 A model built on the meta device holds no weights at all (its tensors have no values, so nothing
 silent can come of using it) until the module trains; then it is stale like any other.
@@ -183,16 +185,13 @@ class _ModelTrain:
 
     def __call__(self, mode: bool = True) -> nn.Module:
         model = self.model
-        before = [m.training for m in model.modules()]
         type(model).train(model, mode)
         g = model.__dict__.get(_ATTR)
         if isinstance(g, Guard) and g.model() is model:  # not a copy of the model (an EMA)
             try:
                 type(g.owner).train(g.owner, mode)
-            except HapcError:
-                for m, was in zip(model.modules(), before):
-                    m.training = was
-                raise
+            except HapcError:  # a program of one mode: the module refuses at its next forward, while
+                return model  # the model may switch (model.eval() then hapc.compile: the fix it names)
             g.modes = modes(model)
         return model
 
