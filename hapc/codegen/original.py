@@ -60,6 +60,7 @@ class Guard:
         self.synced = versions(owner)  # the owner's state when the model last received it
         self.holds_weights = not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
         self.writing = False
+        self.switching = False
         self.model = weakref.ref(model)
         self.modes = modes(model)  # the model's train/eval flags as the module last followed them
         self.handles = [
@@ -84,6 +85,15 @@ class Guard:
         """``torch.save(model)``: refused while stale; in sync, the file holds a plain model."""
         self.check("torch.save(model)")
         return (_no_guard, ())
+
+    @contextlib.contextmanager
+    def switching_modes(self) -> Iterator[None]:
+        """One side's switch is passing to the other: not back again (a module holding its model)."""
+        self.switching = True
+        try:
+            yield
+        finally:
+            self.switching = False
 
     def mark_synced(self) -> None:
         self.synced = versions(self.owner)
@@ -187,9 +197,10 @@ class _ModelTrain:
         model = self.model
         type(model).train(model, mode)
         g = model.__dict__.get(_ATTR)
-        if isinstance(g, Guard) and g.model() is model:  # not a copy of the model (an EMA)
+        if isinstance(g, Guard) and g.model() is model and not g.switching:  # not a copy (an EMA)
             try:
-                type(g.owner).train(g.owner, mode)
+                with g.switching_modes():
+                    type(g.owner).train(g.owner, mode)
             except HapcError:  # a program of one mode: the module refuses at its next forward, while
                 return model  # the model may switch (model.eval() then hapc.compile: the fix it names)
             g.modes = modes(model)
@@ -208,8 +219,9 @@ class _OwnerTrain:
         ref = owner.__dict__.get("_hapc_original")
         model = ref() if ref is not None else None
         g = model.__dict__.get(_ATTR) if model is not None else None
-        if isinstance(g, Guard) and g.owner is owner:
-            type(model).train(model, mode)
+        if isinstance(g, Guard) and g.owner is owner and not g.switching:
+            with g.switching_modes():
+                type(model).train(model, mode)
             g.modes = modes(model)
         return owner
 
