@@ -24,10 +24,17 @@ one method of :class:`_Step`:
 =============  =================================================================================
 
 Sends never block and receives do, which the schedules are proven deadlock-free under; inside an
-action every rank issues its sends before it waits. The loss of micro-batch ``m`` is seeded with
-its weight in the batch loss (:func:`~hapc.pipeline.stages.loss_weighting`): ``1/M`` for a mean
-over equal micro-batches, ``count_m / sum(count)`` for a mean over a data-dependent count
-(cross-entropy with ignored targets, computed from the inputs), ``1`` for a sum.
+action every rank issues its sends before it waits. A sent tensor is held only until a later
+message proves it received (:class:`_Step`), not to the step's end, so a stage's memory during a
+step is bounded by its in-flight micro-batches, not by their number. Messages go to the process
+group as they are (no copy, no header) unless links are emulated; activations land in buffers
+reused across micro-batches and steps, and where one message from one rank brings a rank its whole
+activation (or gradient), the next one is received ahead, while this rank computes.
+
+The loss of micro-batch ``m`` is seeded with its weight in the batch loss
+(:func:`~hapc.pipeline.stages.loss_weighting`): ``1/M`` for a mean over equal micro-batches,
+``count_m / sum(count)`` for a mean over a data-dependent count (cross-entropy with ignored
+targets, computed from the inputs), ``1`` for a sum.
 
 A slow link can be *emulated* (``emulate={"bandwidth": bytes_per_s, "latency": s, "between": [(0, 1)]}``,
 by default every link between neighbouring stages): each message across it carries the time it may
@@ -207,6 +214,25 @@ class PipelineModule(nn.Module):
         # the warm-up counts as the action lists run them (capped by the micro-batch count)
         self._warm = [min(w, spec.num_micro) for w in spec.warmups]
         self._pool: list[torch.Tensor] = []  # activation receive buffers, reused across micro-batches and steps
+        # the one rank this rank's activations (gradients) come from whole, when one message brings them
+        # (then they are received ahead: :class:`_Step`); None where relays forward or links are emulated
+        self._lone_act = self._lone_grad = None
+        me = rank
+        if self.inbound is not None and emulate is None:
+            cut = self.inbound
+            mine = [rt for rt in cut.routes if any(c[0] == me for c in rt.copies)]
+            one = mine[0] if len(mine) == 1 else None
+            if (
+                one is not None
+                and one.relay == me
+                and one.copies == [(me, one.lo, one.hi)]
+                and ((one.lo, one.hi) == cut.need[me])
+            ):
+                self._lone_act = mine[0].src
+        if self.outbound is not None and emulate is None and not self.outbound.replicated:
+            held = [rt for rt in self.outbound.routes if rt.src == me]
+            if len(held) == 1:
+                self._lone_grad = held[0].relay
         # emulated links, as (stage, stage + 1) pairs; all of them unless ``emulate["between"]`` says
         self._slow_links = {tuple(p) for p in (emulate or {}).get("between", zip(range(S), range(1, S)))}
         # state_dict names (and shapes) of the parameters and buffers each stage holds
@@ -447,6 +473,9 @@ class _Step:
         self.prev = k - 1 if k > 0 else None
         self.next = k + 1 if k < pm.num_stages - 1 else None
         self.prev_warm = pm._warm[k - 1] if k > 0 else 0
+        # the next activation / gradient is received ahead, into its own buffer, where one message from one
+        # rank brings it whole (no relaying), so its bytes travel while this rank computes
+        self.early: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
 
     def _send(self, into: dict[int, list[tuple[Any, torch.Tensor]]], m: int, sent: tuple[Any, torch.Tensor]) -> None:
         into.setdefault(m, []).append(sent)
@@ -467,6 +496,26 @@ class _Step:
         the slice's relay inside the group (which forwards without waiting)."""
         pm, cut, me = self.pm, self.pm.inbound, dist.get_rank()
         lo, hi = cut.need[me]
+        early = self.early.pop((_ACT, m), None)
+        if early is not None:
+            early[0].wait()
+            buf = early[1]
+        elif pm._lone_act is not None:
+            buf = pm._recv(
+                (hi - lo, cut.features), cut.dtype, pm._lone_act, _ACT, pm._buffer((hi - lo, cut.features), cut.dtype)
+            )
+        else:
+            buf = self._recv_routes(m, lo, hi)
+        if pm._lone_act is not None and m + 1 < pm.num_micro:
+            nxt = pm._buffer((hi - lo, cut.features), cut.dtype)
+            self.early[_ACT, m + 1] = pm._pg.recv([nxt], pm._lone_act, _ACT), nxt
+        self.raw[m] = buf
+        self.acts[m] = buf.detach().requires_grad_()
+        # the previous stage sent this after its backward of m - N_prev: our gradient of it has arrived
+        self.release(self.grad_sends.pop(m - self.prev_warm, None))
+
+    def _recv_routes(self, m: int, lo: int, hi: int) -> torch.Tensor:
+        pm, cut, me = self.pm, self.pm.inbound, dist.get_rank()
         buf = pm._buffer((hi - lo, cut.features), cut.dtype)
         for rt in cut.routes:
             mine = next((c for c in rt.copies if c[0] == me), None)
@@ -482,10 +531,7 @@ class _Step:
             elif mine is not None:
                 _, a, b = mine
                 pm._recv((b - a, cut.features), cut.dtype, rt.relay, _ACT, buf[a - lo : b - lo])
-        self.raw[m] = buf
-        self.acts[m] = buf.detach().requires_grad_()
-        # the previous stage sent this after its backward of m - N_prev: our gradient of it has arrived
-        self.release(self.grad_sends.pop(m - self.prev_warm, None))
+        return buf
 
     def F(self, m: int) -> None:
         t0 = time.perf_counter()
@@ -520,10 +566,18 @@ class _Step:
                 dist.broadcast(g, src=pm.spec.ranks[pm.stage][0], group=pm.group)
         else:
             rows = out.numel() // cut.features
-            routes = [rt for rt in cut.routes if rt.src == me]
-            g = (torch.empty if routes else torch.zeros)((rows, cut.features), dtype=out.dtype, device=pm.device)
-            for rt in routes:  # one at most: a rank holds one slice
-                pm._recv((rt.hi - rt.lo, cut.features), cut.dtype, rt.relay, _GRAD, g)
+            early = self.early.pop((_GRAD, m), None)
+            if early is not None:
+                early[0].wait()
+                g = early[1]
+            else:
+                routes = [rt for rt in cut.routes if rt.src == me]
+                g = (torch.empty if routes else torch.zeros)((rows, cut.features), dtype=out.dtype, device=pm.device)
+                for rt in routes:  # one at most: a rank holds one slice
+                    pm._recv((rt.hi - rt.lo, cut.features), cut.dtype, rt.relay, _GRAD, g)
+            if pm._lone_grad is not None and m + 1 < pm.num_micro:
+                nxt = torch.empty((rows, cut.features), dtype=out.dtype, device=pm.device)
+                self.early[_GRAD, m + 1] = pm._pg.recv([nxt], pm._lone_grad, _GRAD), nxt
             g = g.view(out.shape)
         self.grads[m] = g
         # its gradient is back: the next stage received activation m
