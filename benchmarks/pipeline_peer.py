@@ -425,7 +425,7 @@ def main() -> int:
     size = QUICK if args.quick else FULL
     cfg, batch = size["cfg"], size["batch"]
     steps, rounds, micros = (3, 1, [4]) if args.quick else (args.steps, args.rounds, args.micro)
-    checked = check(QUICK["cfg"], QUICK["batch"], 4)
+    checked = check(cfg, batch, micros[0])  # the timed model and cut, in float64
     rows = []
     for m in micros:
         per = []
