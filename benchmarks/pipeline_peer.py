@@ -17,19 +17,23 @@ pipeline's forward and backward of every micro-batch; its time runs from a barri
 stage's end, the slower rank's); each of ``--rounds`` rounds starts fresh processes and takes each
 side's median step; the table shows the ratio of the medians over rounds and the per-round range.
 
-**Memory**: the peak of the bytes the CPU allocator holds beyond what it held when the step
-started, on each stage, during one step of each side (``torch.profiler``'s allocation events,
-summed in time order; the same measurement for both).
+**CPU time**: the processes' CPU time (all threads, summed over the stages) per step, hapc's
+over torch's. **Memory**: the peak of the bytes the CPU allocator holds beyond what it held when
+the step started, on each stage, during one step of each side (``torch.profiler``'s raw
+allocation and free events, summed in time order; the same measurement for both; buffers either
+runtime keeps from one step to the next are not counted).
 
 **Slow link**: every cross-stage message is delayed by the same emulator for both sides (a
-shim around ``torch.distributed``'s ``isend``/``irecv``/``recv``, which both runtimes use): the
+shim around the process group's ``send`` and ``recv``, which ``torch.distributed``'s point-to-point
+calls and hapc's messages both go through; hapc's own ``emulate`` option is not used): the
 sender stamps each message's arrival time ``max(now, link free) + latency + bytes / bandwidth`` in
 shared memory, one transfer at a time per direction, and the receiver's wait returns no sooner.
 The bandwidth is set so that one micro-batch's activations take ``--link-share`` of the slowest
 stage's forward + backward; hapc runs H-1F1B (warm-ups from HARP Eq. 1-2 on the measured times)
 and PyTorch ``Schedule1F1B``.
 
-    python benchmarks/pipeline_peer.py [--rounds 3] [--steps 12] [--json out.json] [--quick]
+    python benchmarks/pipeline_peer.py [--rounds 3] [--steps 16] [--micro 8 32] [--link-share 0.6]
+                                       [--json out.json] [--quick]
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import operator
+import os
 import statistics
 import sys
 import time
@@ -183,7 +188,10 @@ class Link:
             return send(pg, tensors, dst, tag)
 
         def delayed_recv(pg: Any, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
-            return _Delayed(recv(pg, tensors, src, tag), link, dist.get_global_rank(pg, src), tag)
+            peer = dist.get_global_rank(pg, src)
+            seq = link.got.get((peer, tag), 0)  # receives match sends in the order they are posted
+            link.got[peer, tag] = seq + 1
+            return _Delayed(recv(pg, tensors, src, tag), link, peer, tag, seq)
 
         ProcessGroup.send, ProcessGroup.recv = delayed_send, delayed_recv
 
@@ -196,11 +204,9 @@ class Link:
         self.free[dst] = start + tensor.numel() * tensor.element_size() / self.bandwidth
         self.board[self.me, dst, tag % 4, seq % self.SLOTS] = self.free[dst] + self.latency
 
-    def _arrive(self, src: int, tag: int) -> None:
+    def _arrive(self, src: int, tag: int, seq: int) -> None:
         if not self.bandwidth:
             return
-        seq = self.got.get((src, tag), 0)
-        self.got[src, tag] = seq + 1
         wait = float(self.board[src, self.me, tag % 4, seq % self.SLOTS]) - time.monotonic()
         if wait > 0:
             time.sleep(wait)
@@ -212,12 +218,14 @@ class Link:
 
 
 class _Delayed:
-    def __init__(self, work: Any, link: Link, src: int, tag: int):
-        self.work, self.link, self.src, self.tag = work, link, src, tag
+    """A receive whose ``wait`` also waits for the message's emulated arrival."""
+
+    def __init__(self, work: Any, link: Link, src: int, tag: int, seq: int):
+        self.work, self.link, self.src, self.tag, self.seq = work, link, src, tag, seq
 
     def wait(self, *args: Any) -> bool:
         out = self.work.wait(*args)
-        self.link._arrive(self.src, self.tag)
+        self.link._arrive(self.src, self.tag, self.seq)
         return out
 
     def __getattr__(self, name: str) -> Any:
@@ -341,7 +349,7 @@ def time_job(
     """float32: interleaved steps; memory; then the slow link (1F1B vs hapc's H-1F1B)."""
     link.install()
     sides = Sides(cfg, batch, num_micro, torch.float32, one_f_one_b_warmup(STAGES))
-    block = max(1, min(4, steps // 3))
+    block = 2  # steps per side before switching: short blocks, so drifting machine load hits both alike
     th, tt = _interleave(sides.hapc_step, sides.torch_step, steps, block)
     cpu_h, cpu_t = _cpu(sides.hapc_step, block), _cpu(sides.torch_step, block)
     mem_h, mem_t = peak_bytes(sides.hapc_step), peak_bytes(sides.torch_step)
@@ -415,7 +423,7 @@ def check(cfg: GPTConfig, batch: int, num_micro: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=12, help="timed steps per side and round")
+    ap.add_argument("--steps", type=int, default=16, help="timed steps per side and round")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, each on fresh processes")
     ap.add_argument("--micro", type=int, nargs="*", default=[8, 32], help="micro-batch counts")
     ap.add_argument("--link-share", type=float, default=0.6, help="slow link: one message / slowest stage time")
@@ -426,6 +434,7 @@ def main() -> int:
     cfg, batch = size["cfg"], size["batch"]
     steps, rounds, micros = (3, 1, [4]) if args.quick else (args.steps, args.rounds, args.micro)
     checked = check(cfg, batch, micros[0])  # the timed model and cut, in float64
+    load = os.getloadavg()[0]  # this machine is shared: say how busy it was
     rows = []
     for m in micros:
         per = []
@@ -433,12 +442,14 @@ def main() -> int:
             link = Link(STAGES)
             per.append(run_distributed(time_job, STAGES, cfg, batch, m, steps, link, args.link_share, timeout=1800))
         rows.append(_summarise(m, per))
-    _print(cfg, batch, steps, rounds, checked, rows)
+    load = max(load, os.getloadavg()[0])
+    _print(cfg, batch, steps, rounds, checked, rows, load)
     result = {
         "config": {**cfg.__dict__, "batch": batch},
         "steps": steps,
         "rounds": rounds,
         "check": checked,
+        "load_average": load,
         "rows": rows,
     }
     Path(args.json).write_text(json.dumps(result, indent=1))
@@ -473,11 +484,12 @@ def _summarise(m: int, per: list[list[dict]]) -> dict:
     }
 
 
-def _print(cfg: GPTConfig, batch: int, steps: int, rounds: int, checked: dict, rows: list[dict]) -> None:
+def _print(cfg: GPTConfig, batch: int, steps: int, rounds: int, checked: dict, rows: list[dict], load: float) -> None:
     console = Console(width=140)
     console.print(
         f"pipeline_peer: GPT (layers {cfg.layers}, hidden {cfg.hidden}, seq {cfg.seq}, vocab {cfg.vocab}), batch "
-        f"{batch}, {STAGES} stages at hapc's balanced_cuts, one gloo process each, float32."
+        f"{batch}, {STAGES} stages at hapc's balanced_cuts, one gloo process each, float32; {os.cpu_count()} cores, "
+        f"load average up to {load:.1f} during the run."
     )
     console.print(
         f"Both equal one device in float64 (largest relative error: hapc {checked['hapc']:.1e}, "
