@@ -1,7 +1,9 @@
 """Gradient clipping is exact (issue 13 item 1): ``torch.nn.utils.clip_grad_norm_`` over a compiled
 module's parameters returns the single-device total norm on every rank and scales every slice by
 the same coefficient, when the plan shards parameters (forced TP, uneven fixed ratios, and the
-default plan of a wide MLP), for norm types 2, 1 and inf; float64, 2 and 3 gloo processes."""
+default plan of a wide MLP), for norm types 2, 1 and inf; float64, 2 and 3 gloo processes. With
+``torch.amp.GradScaler`` (float32), ranks skip exactly the steps one device skips, also when the
+overflow lies in one rank's slice."""
 
 from __future__ import annotations
 
@@ -314,3 +316,79 @@ def test_pipeline_clips_by_the_norm_over_every_stage(ranks, norm_type, foreach):
         assert_close(got_norms, norms, F64, f"rank {rank}: norms")
         assert_close(got_losses, losses, F64, f"rank {rank}: losses")
         assert_close(got_state, state, F64, f"rank {rank}: parameters")
+
+
+# -- GradScaler: the inf/NaN check of unscale_ is the whole gradients' --------------------------------------------
+
+
+class _Overflow(torch.nn.Module):
+    """Float32; hidden unit 0 is read 1000x more strongly, so its gradients (row 0 of ``a.weight``,
+    ``a.bias[0]``) are by far the largest: a loss scale can overflow them alone -- in one rank's slice."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 64), torch.nn.Linear(64, 6)
+        with torch.no_grad():  # unit 0: always active, tiny (the outputs barely change), read 1000x more
+            self.a.weight[0] *= 1e-6
+            self.a.bias[0] = 1e-3
+            self.b.weight[:, 0] *= 1000
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))).square().mean()
+
+
+def _overflow_case():
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    model = _Overflow()
+    model(x).backward()
+    a, bias = model.a.weight.grad.abs(), model.a.bias.grad.abs()
+    hi = max(float(a[0].max()), float(bias[0]))  # hidden unit 0's gradients: in the first rank's slices
+    lo = max(float(a[1:].max()), float(bias[1:].max()), float(model.b.weight.grad.abs().max()))
+    lo = max(lo, float(model.b.bias.grad.abs().max()))
+    assert hi > 100 * lo, "unit 0's gradients dominate"
+    torch.manual_seed(0)
+    return x, _Overflow(), 3.0e38 / math.sqrt(hi * lo)  # overflows unit 0's gradients only
+
+
+def _scaler_steps(module, x, scale):
+    """The AMP recipe: scale, backward, unscale_, clip, step, update; per step the loss, the scale and
+    whether this rank's own gradients held an inf before unscale_."""
+    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale, backoff_factor=1e-3)  # one skipped step
+    out = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = module(x)
+        scaler.scale(loss).backward()
+        local_inf = any(not torch.isfinite(p.grad.as_subclass(torch.Tensor)).all() for p in module.parameters())
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        scaler.step(opt)
+        out.append((float(loss.detach()), scaler.get_scale(), local_inf))
+        scaler.update()
+    return out
+
+
+def _scaler_job(rank, world, cluster, plan, scale):
+    x, model, _ = _overflow_case()
+    m = hapc.compile(model, cluster, (x,), plan=plan)
+    return _scaler_steps(m, x, scale), m.full_state_dict()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_grad_scaler_skips_the_steps_one_device_skips(world):
+    cluster = cluster_of([5e9, 3e9, 2e9][:world])
+    x, model, scale = _overflow_case()
+    ratios = [0.5, 0.3, 0.2] if world == 3 else [0.6, 0.4]
+    plan = hapc.synthesize(model, cluster, (x,), baseline="tp", ratios=ratios)
+    assert "S(0)" in str(next(i.layout for i in plan.instructions if plan.node_names[i.ref] == "a_weight"))
+    want = _scaler_steps(model, x, scale)
+    assert want[0][2] and not want[1][2], "one device: the first step overflows (skipped), the second does not"
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    results = run_distributed(_scaler_job, world, cluster, plan, scale)
+    assert len({r[0][0][2] for r in results}) == 2, "the overflow is in one rank's slice only"
+    for rank, (got, got_state) in enumerate(results):
+        assert [g[1] for g in got] == [w[1] for w in want], f"rank {rank}: the scales (the same steps skipped)"
+        assert_close([g[0] for g in got], [w[0] for w in want], torch.float32, f"rank {rank}: losses")
+        assert_close(got_state, state, torch.float32, f"rank {rank}: parameters")

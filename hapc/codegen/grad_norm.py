@@ -17,6 +17,8 @@ so ranks agree on its length whatever they hold. Replicated parameters' gradient
 after the bucketed all-reduce and stay plain tensors. Every other op -- the optimizer's foreach
 updates, ``clip_grad_norm_``'s ``_foreach_mul_``, ``clip_grad_value_``'s clamps (elementwise:
 exact on slices) -- runs on the plain tensor and returns plain tensors; nothing propagates.
+``torch.amp.GradScaler.unscale_``'s inf/NaN check is likewise the whole gradients' (a MAX
+all-reduce of its flag): ranks skip the same steps and keep the same scale.
 
 **Pipelines** (HARP): a stage holds only its own parameters, so the norm of its gradients is not
 the model's. Its gradients (sharded or not) are marked with the stage's reducer; their norms come
@@ -255,7 +257,21 @@ def _tensor_norm(x, p="fro", dim=None, keepdim=False, dtype=None):
     return _single(x, p, dim, keepdim, dtype, "Tensor.norm")
 
 
+def _unscale(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> Any:
+    """``GradScaler.unscale_``'s check: ``found_inf`` is set where any of the *whole* gradients has an
+    inf or NaN, so every rank skips (or takes) the same optimizer steps as one device would and the
+    scales stay equal -- a slice's own check would let the ranks without the overflow step."""
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+    reducers = {id(t._hapc_norms): t._hapc_norms for t in grads if type(t) is ShardedGrad}
+    for red in sorted(reducers.values(), key=lambda r: r.uid):
+        if red.pipeline or dist.get_world_size(red.group) > 1:
+            flush_losses()
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=red.job if red.pipeline else red.group)
+    return None
+
+
 _HANDLERS = {
+    torch._amp_foreach_non_finite_check_and_unscale_: _unscale,
     torch._foreach_norm: _foreach_norm,
     torch.linalg.vector_norm: _vector_norm,
     torch.linalg.norm: _linalg_norm,
