@@ -512,6 +512,8 @@ def _build(name: str) -> tuple[nn.Module, tuple]:
     """The matrix's models (float64, seeded): zoo aliases or the classes above."""
     if name in ("gpt", "mlp"):
         return models.load(name, dtype=F64)
+    if name == "mlp-wide":  # the issue's case: its default plan shards parameters too
+        return models.load("mlp", dtype=F64, widths=(32, 256, 256))
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     if name == "tied":
@@ -528,7 +530,7 @@ def _build(name: str) -> tuple[nn.Module, tuple]:
     raise KeyError(name)
 
 
-MATRIX_MODELS = ("gpt", "tied", "smoothed", "smoothed-eval", "sdpa", "custom", "custom-wrong")
+MATRIX_MODELS = ("gpt", "mlp-wide", "tied", "smoothed", "smoothed-eval", "sdpa", "custom", "custom-wrong")
 
 
 @functools.cache
@@ -536,7 +538,7 @@ def _matrix_plan(name: str, world: int, kind: str):
     model, inputs = _build(name)
     options = {"baseline": "tp", "ratios": UNEVEN[world]} if kind == "tp" else {}
     plan = hapc.synthesize(model, CLUSTERS[world], inputs, **options)
-    if kind == "tp":
+    if kind == "tp" or name == "mlp-wide":
         params = {k.replace(".", "_") for k, _ in model.named_parameters()}
         assert any(
             i.layout.is_sharded and plan.node_names[i.ref] in params
@@ -594,9 +596,11 @@ def _refusal(fn) -> str:
 def _habits_job(rank: int, world: int, kind: str, plans: dict) -> dict[str, Any]:
     cluster, out = CLUSTERS[world], {}
     # 1: torch.nn.utils.clip_grad_norm_ over the module's parameters (sharded ones under "tp")
-    model, inputs = _build("gpt")
-    m = hapc.compile(model, cluster, inputs, plan=plans["gpt"])
-    out["clip"] = (*_clip_steps(m, inputs), m.full_state_dict())
+    out["clip"] = {}
+    for name in ("gpt", "mlp-wide"):
+        model, inputs = _build(name)
+        m = hapc.compile(model, cluster, inputs, plan=plans[name])
+        out["clip"][name] = (*_clip_steps(m, inputs), m.full_state_dict())
     # weight tying: one parameter under two names, sharded under "tp"
     model, inputs = _build("tied")
     m = hapc.compile(model, cluster, inputs, plan=plans["tied"])
@@ -675,8 +679,10 @@ def _habits_job(rank: int, world: int, kind: str, plans: dict) -> dict[str, Any]
 def _matrix_reference() -> dict[str, Any]:
     """Single-device numbers (and hapc's one-rank run for the dropout model)."""
     ref: dict[str, Any] = {}
-    model, inputs = _build("gpt")
-    ref["clip"] = (*_clip_steps(model, inputs), _state(model))
+    ref["clip"] = {}
+    for name in ("gpt", "mlp-wide"):
+        model, inputs = _build(name)
+        ref["clip"][name] = (*_clip_steps(model, inputs), _state(model))
     model, inputs = _build("tied")
     losses, grads = _sgd_steps(model, inputs)
     grads["head.weight"] = grads["wte.weight"]  # full_gradients() keys by state_dict name: both names
@@ -714,7 +720,7 @@ def test_habits_are_exact_or_refused(world, kind):
     for rank, got in enumerate(results):
         where = f"{world} ranks, {kind} plan, rank {rank}"
         # 1: clipping: clip_grad_norm_'s total norm, the losses and the weights of one device
-        assert all(n > 0.02 for n in ref["clip"][1]), "every step clips"
+        assert all(n > 0.02 for name in ref["clip"] for n in ref["clip"][name][1]), "every step clips"
         assert_close(got["clip"], ref["clip"], F64, f"{where}: clip_grad_norm_ (losses, norms, weights)")
         # tying: losses, the tied parameter's one gradient, the weights under both names
         assert_close(got["tied"], ref["tied"], F64, f"{where}: tied weights")
