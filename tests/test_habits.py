@@ -173,7 +173,22 @@ def test_state_dict_load_is_strict_by_default():
 # -- item 7: the original model object -----------------------------------------------------------------
 
 
-def _original_model(rank, world, alias, plan):
+def _changed_after_compile(world, alias, plan, ckpt) -> tuple[list[str], float]:
+    """The DDP habit of loading a checkpoint (or initialising) into the model after wrapping it:
+    the module would train its own copy without it, so its next forward refuses; loaded into the
+    module, it trains from the checkpoint."""
+    texts = []
+    for change in (lambda model: model.load_state_dict(ckpt), lambda model: torch.nn.init.zeros_(model.head.weight)):
+        model, inputs = models.load(alias, dtype=F64)
+        m = hapc.compile(model, CLUSTERS[world], inputs, plan=plan)
+        change(model)
+        texts.append(_refusal(lambda m=m, inputs=inputs: m(*inputs)))
+    m.load_state_dict(ckpt)
+    return texts, m(*inputs).item()
+
+
+def _original_model(rank, world, alias, plan, ckpt):
+    changed = _changed_after_compile(world, alias, plan, ckpt)
     model, inputs = models.load(alias, dtype=F64)
     m = hapc.compile(model, CLUSTERS[world], inputs, plan=plan)
     initial = model(*inputs).item()  # right after compile the model holds the module's weights
@@ -201,7 +216,7 @@ def _original_model(rank, world, alias, plan):
     with pytest.raises(hapc.HapcError, match="the compiled module has trained its own copy"):
         model(*inputs)
     m.unwrap()
-    return initial, errors, after, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return initial, errors, after, {k: v.detach().clone() for k, v in model.state_dict().items()}, changed
 
 
 @pytest.mark.parametrize("world, kind", PLANS)
@@ -210,9 +225,13 @@ def test_original_model_raises_until_unwrapped(world, kind):
     model, inputs = models.load(alias, dtype=F64)
     want_initial = model(*inputs).item()
     one, two = _one_device(alias, 1), _one_device(alias, 2)
-    for rank, (initial, errors, after, later) in enumerate(
-        run_distributed(_original_model, world, alias, _plan(alias, world, kind))
+    model.load_state_dict(one)
+    at_one = model(*inputs).item()
+    for rank, (initial, errors, after, later, (changed, loaded)) in enumerate(
+        run_distributed(_original_model, world, alias, _plan(alias, world, kind), one)
     ):
+        assert all("changed after compile" in t and "module.load_state_dict(state)" in t for t in changed), changed
+        assert loaded == pytest.approx(at_one, rel=1e-12), "the checkpoint loaded into the module"
         assert initial == pytest.approx(want_initial, rel=1e-12)
         assert [e.split(" of the model")[0] for e in errors] == [
             "a forward",

@@ -8,10 +8,13 @@ initial weights without any error. So the compiled module (its *owner*) guards t
 * the model is **in sync** while the owner's parameters and buffers are unchanged since the model
   last received them: right after compile (the same values), after ``module.unwrap()`` (which
   writes the trained full weights back into it, a collective), or after the user loads a
-  ``state_dict`` into it;
+  ``state_dict`` into it once the module has trained;
 * any in-place change of the owner's state since -- an optimizer step, batch norm's running
   statistics, a ``load_state_dict`` -- makes it **stale** (each tensor's ``_version`` counter: no
   cost per step, read only when the model is used);
+* the model changed while the module has not moved -- ``model.load_state_dict(ckpt)`` or an
+  initialisation after compile, as one may do with DDP, whose module *is* the model -- makes the
+  module's next forward raise: it would train its own copy without them (load into the module);
 * while stale, ``model(...)``, ``model.state_dict()`` and ``hapc.compile(model, ...)`` raise a
   :class:`~hapc.errors.HapcError` saying to call ``module.unwrap()`` (or to use the module's own
   ``state_dict()`` / ``full_state_dict()``).
@@ -62,13 +65,14 @@ class Guard:
         self.writing = False
         self.switching = False
         self.model = weakref.ref(model)
+        self.model_state = tensor_versions(model)  # the model's tensors when it last matched the module
         self.modes = modes(model)  # the model's train/eval flags as the module last followed them
         self.handles = [
             # functions of the module, not methods of the guard: torch.save(model) pickles the hooks
             model.register_forward_pre_hook(_on_use),
             model.register_state_dict_pre_hook(_on_state_dict),
             model.register_load_state_dict_post_hook(_on_load),
-            owner.register_forward_pre_hook(self._check_parts),
+            owner.register_forward_pre_hook(self._before_forward),
         ]
         # instance attributes win over the class's method: model.eval() (-> self.train(False)) lands here
         model.__dict__["train"] = _ModelTrain(model)
@@ -98,6 +102,9 @@ class Guard:
     def mark_synced(self) -> None:
         self.synced = versions(self.owner)
         self.holds_weights = True
+        model = self.model()
+        if model is not None:
+            self.model_state = tensor_versions(model)
 
     def stale(self) -> bool:
         return self.synced != versions(self.owner)
@@ -142,15 +149,29 @@ class Guard:
             self.check("state_dict()")
 
     def _on_load(self, module: nn.Module, incompatible: Any) -> None:
-        if not self.writing:  # the user gave the model weights of their own: in sync from here on
-            self.mark_synced()
+        if self.writing:
+            return
+        if self.stale():  # the module has trained: the user gives the model weights of their own
+            self.mark_synced()  # (the module's, by hand, or another checkpoint's to evaluate)
+        else:  # the module has not moved: weights meant for training, which it would not see --
+            self.holds_weights = True  # its next forward refuses (see _before_forward)
 
-    def _check_parts(self, owner: nn.Module, args: Any) -> None:
-        """Before each forward of the module: a part of the model switched alone since (whole-model
-        switches are followed when they happen) is refused; all parts switched one by one are followed."""
+    def _before_forward(self, owner: nn.Module, args: Any) -> None:
+        """Before each forward of the module: weights the model was given after compile, while the
+        module has not moved, are refused (the module would train its own copy without them); a part
+        of the model switched alone since (whole-model switches are followed when they happen) is
+        refused; all parts switched one by one are followed."""
         model = self.model()
         if model is None:
             return
+        if tensor_versions(model) != self.model_state and not self.stale():
+            raise HapcError(
+                "the model given to hapc.compile was changed after compile (model.load_state_dict(...), an "
+                "initialisation or another in-place update of its parameters or buffers), but the compiled "
+                "module trains its own copy of the weights and would not see the change. Load weights into the "
+                "module instead -- module.load_state_dict(state) on every rank, keys as in the model -- or "
+                "change the model before hapc.compile"
+            )
         now = modes(model)
         if now == self.modes:
             return
@@ -229,6 +250,12 @@ class _OwnerTrain:
 def modes(model: nn.Module) -> tuple[bool, ...]:
     """Every submodule's ``training`` flag, in ``named_modules`` order."""
     return tuple(m.training for m in model.modules())
+
+
+def tensor_versions(model: nn.Module) -> tuple[tuple[int, int], ...]:
+    """Each parameter's and buffer's identity and version counter: changes with any in-place update
+    (``load_state_dict`` copies in place) or a tensor replaced."""
+    return tuple((id(t), t._version) for t in (*model.parameters(), *model.buffers()))
 
 
 def versions(owner: nn.Module) -> tuple[int, ...]:
