@@ -332,10 +332,18 @@ def cmd_profile(ns: argparse.Namespace) -> int:
     console = _console()
     sizes = tuple(int(parse_quantity(s.strip(), "--sizes", SIZE)) for s in ns.sizes.split(","))
     kwargs = {"sizes": sizes, "reps": ns.reps, "gemm": ns.gemm, "name": ns.name, "out": ns.out}
+    if ns.speeds and ns.local is None:
+        raise HapcError("--speeds emulates device speeds on local processes: give it with --local N")
     if ns.local is not None:
         from .testing import run_distributed
 
-        result = run_distributed(_profile_job, ns.local, kwargs, timeout=600)[0]
+        try:
+            speeds = [float(v) for v in ns.speeds.split(",")] if ns.speeds else None
+        except ValueError:
+            raise HapcError(
+                f"--speeds takes fractions of a core separated by commas (e.g. 1,0.5), got {ns.speeds!r}"
+            ) from None
+        result = run_distributed(_profile_job, ns.local, kwargs, timeout=600, speeds=speeds)[0]
     else:
         if "RANK" not in os.environ and not dist.is_initialized():
             raise HapcError("hapc profile measures a running job: start it with torchrun, or pass --local N")
@@ -445,6 +453,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--reps", type=_positive_int, default=5, help="timed repetitions per measurement (median kept)")
     f.add_argument("--gemm", type=_positive_int, default=1024, help="matrix size for the flops measurement")
     f.add_argument("--name", default="profiled", help="cluster name")
+    f.add_argument(
+        "--speeds",
+        metavar="S,S,...",
+        help="with --local: each rank's speed as a fraction of one core, e.g. 1,0.5 (emulated by CPU quota)",
+    )
     f.add_argument("--json", metavar="PATH", help="also write the raw measurements")
     f.set_defaults(fn=cmd_profile)
 

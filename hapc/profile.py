@@ -170,9 +170,12 @@ def device_memory(device: torch.device, world_on_host: int) -> float:
 
 
 def device_kind(device: torch.device) -> str:
+    """The device's kind (ranks of one kind form a device group); a rank throttled by
+    :mod:`hapc.emulate` is its own kind, ``cpu-at-50%``, labelled as emulated in the cluster file."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device).replace(" ", "-").lower()
-    return "cpu"
+    speed = os.environ.get("HAPC_EMULATED_SPEED")
+    return f"cpu-at-{float(speed):.0%}" if speed is not None else "cpu"
 
 
 # torch 2.13 names them *_single; older releases *_into_tensor / *_tensor
@@ -343,7 +346,8 @@ def build_cluster(
         "group": groups,
         "links": {"intra_host": link, "inter_host": link} if one_host else {"inter_host": link},
         "collectives": {p: {"alpha": a, "beta": b} for p, (a, b, _) in collectives.items()},
-        "notes": "measured by hapc profile",
+        "notes": "measured by hapc profile"
+        + ("; device speeds emulated on one host (hapc.emulate)" if any("-at-" in r.kind for r in reports) else ""),
     }
     return Cluster.from_dict(data)
 
@@ -374,6 +378,10 @@ def profile(
     # every rank measures at once, in loops between barriers (see _loop_time), so ranks sharing
     # a host's cores are measured at the speed a synchronous program gets from them
     timing = {"reps": reps, "window": window, "synced": True}
+    if os.environ.get("HAPC_EMULATED_SPEED") is not None and len(os.sched_getaffinity(0)) == 1:
+        # a rank of hapc.emulate on a core of its own: nothing shared to wait for, and a loop spanning
+        # many CFS periods (10 ms) so that the quota, not the phase of the period, sets the rate
+        timing = {"reps": reps, "window": max(window, 0.2), "synced": False}
     mine = DeviceReport(
         host=socket.gethostname(),
         kind=device_kind(device),

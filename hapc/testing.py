@@ -57,10 +57,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn: Callable, rank: int, world: int, port: int, queue: Any, args: tuple, timeout: float) -> None:
+def _worker(
+    fn: Callable, rank: int, world: int, port: int, queue: Any, args: tuple, timeout: float, speed: Any = None
+) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
+        if speed is not None:  # before any thread of ours starts: they join its control group
+            from . import emulate
+
+            emulate.apply(speed[0], rank, world, speed[1])
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
@@ -89,6 +95,7 @@ def run_distributed(
     timeout: float = 120.0,
     grace: float = 30.0,
     absent: Sequence[int] = (),
+    speeds: Sequence[float] | None = None,
 ) -> list[Any]:
     """``[fn(0, n, *args), ..., fn(n-1, n, *args)]``, each in its own gloo process.
 
@@ -97,12 +104,26 @@ def run_distributed(
     running then is reported as hung and killed. On failure it raises
     :class:`~hapc.errors.DistributedRunError` naming every rank's fate -- its exception, the
     signal or exit code it died with, hung, or never started (``absent``: ranks deliberately
-    not launched, to test a job where a rank never joins)."""
+    not launched, to test a job where a rank never joins).
+
+    ``speeds``: each rank's relative speed in (0, 1] -- pinned to a core of its own and throttled to
+    that fraction of it (:mod:`hapc.emulate`; raises where the host cannot)."""
+    tags: list[str] = []
+    if speeds is not None:
+        from . import emulate
+
+        speeds = emulate.check_speeds(list(speeds), world_size)
+        if any(s < 1 for s in speeds) and emulate.how() is None:
+            emulate.apply(min(speeds), 0, 1, "")  # raises, naming the cause, before any process starts
+        tags = [f"hapc-{os.getpid()}-{time.monotonic_ns()}-rank{r}" for r in range(world_size)]
     ctx = mp.get_context("fork")
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = {
-        r: ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args, timeout))
+        r: ctx.Process(
+            target=_worker,
+            args=(fn, r, world_size, port, queue, args, timeout, (speeds[r], tags[r]) if speeds is not None else None),
+        )
         for r in range(world_size)
         if r not in set(absent)
     }
@@ -135,6 +156,10 @@ def run_distributed(
         if p.is_alive():
             p.kill()
             p.join()
+    if tags:
+        from . import emulate
+
+        emulate.release(tags)
     if errors or died or hung or absent:
         raise DistributedRunError(
             _describe_failure(world_size, errors, died, hung, sorted(absent), timeout + grace),
