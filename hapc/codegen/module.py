@@ -244,8 +244,8 @@ class CompiledModule(nn.Module):
             if p is not None and p.requires_grad != flag:
                 how = "froze" if flag else "unfroze"
                 fix = (
-                    f"freeze this module's copy instead (dict(module.named_parameters())[{key!r}].requires_grad_(False): "
-                    "names as in your model)"
+                    "freeze this module's copy instead "
+                    f"(dict(module.named_parameters())[{key!r}].requires_grad_(False): names as in your model)"
                     if flag
                     else "a parameter frozen at compile is a constant of the plan: call hapc.compile again with it "
                     "trainable"
