@@ -103,6 +103,12 @@ for _n in [
     "tanhshrink",
 ]:
     unary(_n, getattr(F, _n))
+for _n in ["erfinv", "erfc", "lgamma", "digamma", "logit", "sinc", "asinh", "atanh", "deg2rad", "rad2deg"]:
+    unary(_n, (lambda f: lambda x: f(x.tanh() * 0.9))(getattr(torch, _n)))
+unary("acosh", lambda x: torch.acosh(x.abs() + 1.5))
+unary("glu", lambda x: F.glu(x.repeat(1, 2)) + F.glu(x.repeat(2, 1), dim=0).sum())
+unary("unfold", lambda x: x.unfold(1, 2, 1).sum() + x.unfold(0, 1, 1).sum())
+unary("unfold-im2col", lambda x: F.unfold(x.reshape(1, 1, *x.shape).expand(2, 3, -1, -1), 1).sum())
 unary("clamp", lambda x: x.clamp(-0.5, 0.5))
 unary("clamp_min", lambda x: torch.clamp_min(x, 0.1))
 unary("clamp_max", lambda x: torch.clamp_max(x, 0.1))
@@ -132,6 +138,10 @@ def _bin(a, b, c, g):
 
 for _n in ["eq", "ne", "lt", "le", "gt", "ge", "maximum", "minimum", "fmax", "fmin", "atan2"]:
     CASES.append(Case(_n, (lambda f: lambda m, x, y, z: f(x, y))(getattr(torch, _n)), _bin))
+for _n in ["hypot", "xlogy", "copysign", "logaddexp", "logaddexp2", "fmod"]:
+    CASES.append(Case(_n, (lambda f: lambda m, x, y, z: f(x, z))(getattr(torch, _n)), _bin))
+case("lerp", _bin)(lambda m, x, y, z: torch.lerp(x, y, 0.3) + torch.lerp(x, z, y.sigmoid()))
+case("addcmul", _bin)(lambda m, x, y, z: torch.addcmul(x, y, z, value=0.5) + torch.addcdiv(x, z, z + 2.0, value=2.0))
 case("floor_divide", _bin)(lambda m, x, y, z: torch.floor_divide(x, z))
 case("remainder", _bin)(lambda m, x, y, z: torch.remainder(x, z))
 case("logical_and", _bin)(lambda m, x, y, z: torch.logical_and(x > 0, y > 0) | torch.logical_xor(x > 0, z > 1))

@@ -80,6 +80,17 @@ op(
         "hardshrink",
         "softshrink",
         "threshold",
+        "erfinv",
+        "erfc",
+        "lgamma",
+        "digamma",
+        "logit",
+        "sinc",
+        "asinh",
+        "acosh",
+        "atanh",
+        "deg2rad",
+        "rad2deg",
     ],
     "... -> ...",
     doc="every dim shards; Partial does not pass (not linear)",
@@ -134,6 +145,12 @@ def broadcast_spec(view: OpView) -> str:
         "bitwise_and",
         "bitwise_or",
         "bitwise_xor",
+        "hypot",
+        "xlogy",
+        "copysign",
+        "logaddexp",
+        "logaddexp2",
+        "fmod",
     ],
     doc="broadcast element-wise; not linear",
 )
@@ -203,3 +220,22 @@ def _is_tensor_arg(view: OpView, position: int) -> bool:
     from ..graph import Ref
 
     return position < len(view.node.args) and isinstance(view.node.args[position], Ref)
+
+
+@rule("lerp", doc="broadcast element-wise; jointly linear in start and end")
+def _lerp(view: OpView):
+    """``torch.lerp(a, b, w)`` = ``a + w * (b - a)``: for a fixed weight, linear in (a, b) together."""
+    strategies = view.annotate(broadcast_spec(view))
+    if _is_tensor_arg(view, 0) and _is_tensor_arg(view, 1):
+        n = view.num_operands
+        ins = tuple(PARTIAL if i < 2 else REPLICATED for i in range(n))
+        strategies.append(Strategy(ins, PARTIAL, scaled=False, name="linear"))
+    return strategies
+
+
+@rule(["addcmul", "addcdiv"], doc="broadcast element-wise; jointly linear in the input and the first factor")
+def _addc(view: OpView):
+    """``torch.addcmul(x, t1, t2, value=v)`` = ``x + v * t1 * t2`` (``addcdiv``: ``t1 / t2``): linear in
+    (x, t1) together, and for ``addcmul`` in (x, t2) together."""
+    linear = [(0, 1), (0, 2)] if view.node.op == "addcmul" else [(0, 1)]
+    return view.annotate(broadcast_spec(view), linear=linear if view.num_operands == 3 else None)

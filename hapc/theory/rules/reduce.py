@@ -83,13 +83,13 @@ def _max(view: OpView):
 
 
 @rule(
-    ["softmax", "log_softmax", "cumprod", "logcumsumexp", "sort", "argsort", "normalize", "cummax", "cummin"],
+    ["softmax", "log_softmax", "cumprod", "logcumsumexp", "sort", "argsort", "normalize", "cummax", "cummin", "glu"],
     doc="every dim but `dim` shards",
 )
 def _along_dim(view: OpView):
     """Ops coupling one dim (softmax over ``dim``): that dim is fixed, the rest shard."""
     pos = 2 if view.node.op == "normalize" else 1
-    default = -1 if view.node.op in ("softmax", "log_softmax", "sort", "argsort") else 1
+    default = -1 if view.node.op in ("softmax", "log_softmax", "sort", "argsort", "glu") else 1
     d = view.dim(view.arg(pos, "dim", default))
     rank = view.operands[0].rank
     names = [n + ("^" if k == d else "") for k, n in enumerate(labels(rank))]

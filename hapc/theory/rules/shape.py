@@ -490,3 +490,13 @@ def _diff(view: OpView):
 
 # one-hot encoding: every index dim shards, the new class dim never does
 op("one_hot", "... -> ... c^")
+
+
+@rule("unfold", doc="every dim but the unfolded one shards; linear")
+def _unfold(view: OpView):
+    """``x.unfold(dim, size, step)``: windows along ``dim`` overlap; the window dim is new.
+    ``F.unfold(x, kernel_size)`` (im2col, same name): only the batch dim shards."""
+    rank = view.operands[0].rank
+    if not view.node.is_method:  # F.unfold: [N, C, H, W] -> [N, C * kh * kw, L]
+        return view.annotate("n c^ h^ w^ -> n k^ l^" if rank == 4 else "c^ h^ w^ -> k^ l^", linear="each")
+    return view.annotate(_fixed_dim_spec(rank, view.dim(view.arg(1, "dimension"))) + " w^", linear="each")
