@@ -114,9 +114,9 @@ def _input() -> torch.Tensor:
     return torch.randn(1, 256, generator=torch.Generator().manual_seed(1), dtype=D)
 
 
-def _train(module: Any, x: torch.Tensor) -> dict[str, Any]:
+def _train(module: Any, *inputs: torch.Tensor) -> dict[str, Any]:
     opt = torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9)
-    loss = module(x)
+    loss = module(*inputs)
     loss.backward()
     if hasattr(module, "full_gradients"):
         grads = module.full_gradients()
@@ -126,7 +126,7 @@ def _train(module: Any, x: torch.Tensor) -> dict[str, Any]:
     for _ in range(2):
         opt.step()
         opt.zero_grad()
-        loss = module(x)
+        loss = module(*inputs)
         loss.backward()
         losses.append(float(loss.detach()))
     state = module.full_state_dict() if hasattr(module, "full_state_dict") else module.state_dict()
@@ -151,6 +151,56 @@ def test_addmm_tensor_parallel_matches_one_device(world: int, ratios: tuple | No
     for got in run_distributed(_job, world, plan, cluster, timeout=120):
         assert got["losses"] == pytest.approx(want["losses"], rel=1e-12)
         assert set(got["grads"]) == set(want["grads"])
+        for k, v in want["grads"].items():
+            torch.testing.assert_close(got["grads"][k], v, rtol=1e-9, atol=1e-12)
+        for k, v in want["state"].items():
+            torch.testing.assert_close(got["state"][k], v, rtol=1e-9, atol=1e-12)
+
+
+# -- a data-parallel plan through the indexing rules ---------------------------------------------------
+class Router(nn.Module):
+    """Token lookups and routing as MoE layers write them: ``index_select`` of embedding rows,
+    ``repeat_interleave`` (each token to its top-2 slots), ``gather`` / ``scatter_add`` into a
+    ``new_zeros`` buffer, indexing by an index tensor, ``diff``."""
+
+    def __init__(self, vocab: int = 11, hidden: int = 8):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = nn.Parameter(torch.randn(vocab, hidden, generator=g, dtype=D))
+        self.w = nn.Parameter(torch.randn(hidden, hidden, generator=g, dtype=D))
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        b, t = ids.shape
+        e = self.emb.index_select(0, ids.flatten()).view(b, t, -1)
+        e = e.repeat_interleave(2, dim=1)  # [B, 2T, H]
+        slots = pos.unsqueeze(-1).expand(-1, -1, e.shape[-1])
+        h = (e.gather(1, slots) @ self.w).tanh()  # [B, T, H]
+        acc = h.new_zeros(b, t, h.shape[-1]).scatter_add(1, slots // 2, h) * h
+        picked = acc[:, ids[0] % t]
+        return (picked**2).sum() + torch.diff(acc, dim=1).pow(2).sum()
+
+
+def _router_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(0, 11, (12, 5), generator=gen), torch.randint(0, 10, (12, 5), generator=gen)
+
+
+def _router_job(rank: int, world: int, plan: Any, cluster: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    module = hapc.compile(Router(), cluster, _router_inputs(), plan=plan)
+    return _train(module, *_router_inputs())
+
+
+def test_indexing_rules_data_parallel_matches_one_device() -> None:
+    cluster = "local-cpu:3"
+    plan = hapc.synthesize(Router(), cluster, _router_inputs(), ratios=(0.4, 0.2))
+    graph = plan._theory.graph
+    used = {graph[i.ref].op: i.strategy_key for i in plan.instructions if isinstance(i, Compute)}
+    for op in ("index_select", "repeat_interleave", "gather", "new_zeros", "scatter_add", "diff"):
+        assert "S(0)" in used[op].split("->")[1], (op, used[op])  # the batch flows through sharded
+    want = _train(Router(), *_router_inputs())
+    for got in run_distributed(_router_job, 3, plan, cluster, timeout=120):
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-12)
         for k, v in want["grads"].items():
             torch.testing.assert_close(got["grads"][k], v, rtol=1e-9, atol=1e-12)
         for k, v in want["state"].items():
