@@ -166,3 +166,13 @@ def test_rules_table_lists_many_ops():
         assert {"linear", "conv2d", "embedding", "scaled_dot_product_attention", "batch_norm"} <= {
             r["op"] for r in rows
         }
+
+
+def test_rules_cover_what_library_models_emit():
+    """Issue 12: the ops transformers / torchvision / timm models and MoE routers emit have rules."""
+    emitted = {
+        "addmm", "baddbmm", "diff", "repeat_interleave", "hardsigmoid", "cumsum", "masked_fill", "where", "topk",
+        "scatter", "scatter_add", "gather", "index_select", "index_add", "index_put", "triu", "tril", "rms_norm",
+        "new_zeros", "new_ones", "new_full", "new_empty", "zeros_like", "one_hot", "histc", "repeat",
+    }  # fmt: skip
+    assert not sorted(emitted - set(hapc.theory.default_registry.names()))
