@@ -31,6 +31,11 @@ class PlanError(HapcError):
     """A plan is corrupt, of another version, or for another model / cluster / world size."""
 
 
+class ModelAttributeError(HapcError, AttributeError):
+    """An attribute of the model given to ``hapc.compile`` asked of the compiled module (an
+    ``AttributeError`` too, so ``hasattr`` and ``getattr(..., default)`` keep working)."""
+
+
 class InfeasibleError(HapcError):
     """No program fits the cluster (memory) or the search space is empty."""
 

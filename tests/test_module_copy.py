@@ -66,3 +66,27 @@ def test_copies_and_ema_of_a_compiled_module_are_exact(plan):
         assert_close(got[1], losses, F64, f"{what}: losses of the copy and the original")
         assert_close(got[2], _state(twin), F64, f"{what}: the copy's weights")
         assert_close(got[3], _state(model), F64, f"{what}: the original's weights")
+
+
+def _model_attributes(rank, world):
+    model, inputs = models.load("gpt", dtype=F64)
+    model.note = "mine"
+    module = hapc.compile(model, CLUSTER, inputs)
+    out = {"hasattr": hasattr(module, "configure"), "hasattr note": hasattr(module, "note")}
+    for name in ("note", "no_such_thing"):
+        try:
+            getattr(module, name)
+        except AttributeError as e:
+            out[name] = (isinstance(e, hapc.HapcError), str(e))
+    return out
+
+
+def test_attributes_of_the_model_are_refused_by_name():
+    """``module.generate(...)``, ``module.config``: the model's, not the compiled module's -- an
+    AttributeError that is a HapcError naming ``unwrap()``; unknown names stay plain AttributeErrors."""
+    for got in run_distributed(_model_attributes, 2):
+        assert got["hasattr"] is False and got["hasattr note"] is False
+        is_hapc, text = got["note"]
+        assert is_hapc and "'note' belongs to the model given to hapc.compile" in text and "unwrap()" in text
+        is_hapc, text = got["no_such_thing"]
+        assert not is_hapc and "no attribute 'no_such_thing'" in text

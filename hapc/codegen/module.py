@@ -41,7 +41,7 @@ from .. import collectives as C
 from .._util import same_ranks_group
 from ..checkpoint import load_param_groups
 from ..collectives.ops import gather_impl
-from ..errors import HapcError
+from ..errors import HapcError, ModelAttributeError
 from ..materialize import Init, module_values, owner
 from ..ops import RandomStream
 from ..plan import Plan
@@ -788,6 +788,24 @@ class CompiledModule(nn.Module):
         if self.__dict__.get("_gather_group") is None:
             self.__dict__["_gather_group"] = same_ranks_group(self.group)
         return self.__dict__["_gather_group"]
+
+    def __getattr__(self, name: str) -> Any:
+        """Parameters, buffers and submodules as any ``nn.Module``; a method or attribute of the
+        model this module was compiled from (``generate``, ``config``...) is refused by name: this
+        module runs the traced forward only."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            ref = self.__dict__.get("_hapc_original")
+            model = ref() if ref is not None else None
+            mine = model is not None and (hasattr(type(model), name) or name in model.__dict__)
+            if not mine or name.startswith("__"):
+                raise
+        raise ModelAttributeError(
+            f"{name!r} belongs to the model given to hapc.compile ({type(model).__name__}); the compiled module "
+            f"runs its traced forward only. Call module.unwrap().{name} (every rank: it gathers the trained "
+            "weights into the model), or keep the value from before compiling"
+        )
 
     def unwrap(self) -> nn.Module:
         """Write the trained weights (and buffers) into the model this module was compiled from and
