@@ -671,8 +671,10 @@ def _habits_job(rank: int, world: int, kind: str, plans: dict) -> dict[str, Any]
         assert m(*inputs).item() == evaluated
     model.train()
     assert m.training
-    copy.deepcopy(model).eval()  # an EMA copy switches only itself
-    assert m.training and model.training
+    copy.deepcopy(model).eval()  # an EMA copy switches only itself, of the model or of the module
+    ema = torch.optim.swa_utils.AveragedModel(m)
+    ema.eval()
+    assert m.training and model.training and not ema.module.training
     out["sdpa"] = (losses, m.full_state_dict(), evaluated, m.rng.step, part)
     # 10: a custom op with a wrong annotation is refused at compile; a right one trains exactly
     model, inputs = _build("custom-wrong")

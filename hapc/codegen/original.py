@@ -162,7 +162,7 @@ class Guard:
         of the model switched alone since (whole-model switches are followed when they happen) is
         refused; all parts switched one by one are followed."""
         model = self.model()
-        if model is None:
+        if model is None or owner is not self.owner:  # a copy of the module (an EMA) is not guarded
             return
         if tensor_versions(model) != self.model_state and not self.stale():
             raise HapcError(
@@ -233,6 +233,11 @@ class _OwnerTrain:
 
     def __init__(self, owner: nn.Module):
         self.owner = weakref.ref(owner)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _OwnerTrain:
+        """A copy of the module (an EMA, ``AveragedModel``) switches itself, not the original."""
+        copied = memo.get(id(self.owner()))
+        return _OwnerTrain(copied) if copied is not None else self
 
     def __call__(self, mode: bool = True) -> nn.Module:
         owner = self.owner()
