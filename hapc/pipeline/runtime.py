@@ -28,8 +28,8 @@ action every rank issues its sends before it waits. A sent tensor is held only u
 message proves it received (:class:`_Step`), not to the step's end, so a stage's memory during a
 step is bounded by its in-flight micro-batches, not by their number. Messages go to the process
 group as they are (no copy, no header) unless links are emulated; activations land in buffers
-reused across micro-batches and steps, and where one message from one rank brings a rank its whole
-activation (or gradient), the next one is received ahead, while this rank computes.
+reused across micro-batches and steps. (Receiving the next message ahead, into its own buffer, was
+measured slower on gloo: 4-13 % at 32 micro-batches of the benchmark ``pipeline_peer``.)
 
 The loss of micro-batch ``m`` is seeded with its weight in the batch loss
 (:func:`~hapc.pipeline.stages.loss_weighting`): ``1/M`` for a mean over equal micro-batches,
@@ -173,6 +173,7 @@ class PipelineModule(nn.Module):
         self._stage_of = {r: k for k, rs in enumerate(spec.ranks) for r in rs}
         self.stage = self._stage_of[rank]
         self.sg: StageGraph = stages[self.stage]
+        self._reads, self._names = self.sg.model_inputs, list(self.sg.graph.input_names)  # (once, not per forward)
         self.group = groups[self.stage]
         self.num_stages = len(stages)
         self.relay = [rs[0] for rs in spec.ranks]  # each stage's first rank (state and loss broadcasts)
@@ -214,25 +215,6 @@ class PipelineModule(nn.Module):
         # the warm-up counts as the action lists run them (capped by the micro-batch count)
         self._warm = [min(w, spec.num_micro) for w in spec.warmups]
         self._pool: list[torch.Tensor] = []  # activation receive buffers, reused across micro-batches and steps
-        # the one rank this rank's activations (gradients) come from whole, when one message brings them
-        # (then they are received ahead: :class:`_Step`); None where relays forward or links are emulated
-        self._lone_act = self._lone_grad = None
-        me = rank
-        if self.inbound is not None and emulate is None:
-            cut = self.inbound
-            mine = [rt for rt in cut.routes if any(c[0] == me for c in rt.copies)]
-            one = mine[0] if len(mine) == 1 else None
-            if (
-                one is not None
-                and one.relay == me
-                and one.copies == [(me, one.lo, one.hi)]
-                and ((one.lo, one.hi) == cut.need[me])
-            ):
-                self._lone_act = mine[0].src
-        if self.outbound is not None and emulate is None and not self.outbound.replicated:
-            held = [rt for rt in self.outbound.routes if rt.src == me]
-            if len(held) == 1:
-                self._lone_grad = held[0].relay
         # emulated links, as (stage, stage + 1) pairs; all of them unless ``emulate["between"]`` says
         self._slow_links = {tuple(p) for p in (emulate or {}).get("between", zip(range(S), range(1, S)))}
         # state_dict names (and shapes) of the parameters and buffers each stage holds
@@ -473,9 +455,6 @@ class _Step:
         self.prev = k - 1 if k > 0 else None
         self.next = k + 1 if k < pm.num_stages - 1 else None
         self.prev_warm = pm._warm[k - 1] if k > 0 else 0
-        # the next activation / gradient is received ahead, into its own buffer, where one message from one
-        # rank brings it whole (no relaying), so its bytes travel while this rank computes
-        self.early: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
 
     def _send(self, into: dict[int, list[tuple[Any, torch.Tensor]]], m: int, sent: tuple[Any, torch.Tensor]) -> None:
         into.setdefault(m, []).append(sent)
@@ -496,26 +475,6 @@ class _Step:
         the slice's relay inside the group (which forwards without waiting)."""
         pm, cut, me = self.pm, self.pm.inbound, dist.get_rank()
         lo, hi = cut.need[me]
-        early = self.early.pop((_ACT, m), None)
-        if early is not None:
-            early[0].wait()
-            buf = early[1]
-        elif pm._lone_act is not None:
-            buf = pm._recv(
-                (hi - lo, cut.features), cut.dtype, pm._lone_act, _ACT, pm._buffer((hi - lo, cut.features), cut.dtype)
-            )
-        else:
-            buf = self._recv_routes(m, lo, hi)
-        if pm._lone_act is not None and m + 1 < pm.num_micro:
-            nxt = pm._buffer((hi - lo, cut.features), cut.dtype)
-            self.early[_ACT, m + 1] = pm._pg.recv([nxt], pm._lone_act, _ACT), nxt
-        self.raw[m] = buf
-        self.acts[m] = buf.detach().requires_grad_()
-        # the previous stage sent this after its backward of m - N_prev: our gradient of it has arrived
-        self.release(self.grad_sends.pop(m - self.prev_warm, None))
-
-    def _recv_routes(self, m: int, lo: int, hi: int) -> torch.Tensor:
-        pm, cut, me = self.pm, self.pm.inbound, dist.get_rank()
         buf = pm._buffer((hi - lo, cut.features), cut.dtype)
         for rt in cut.routes:
             mine = next((c for c in rt.copies if c[0] == me), None)
@@ -531,15 +490,18 @@ class _Step:
             elif mine is not None:
                 _, a, b = mine
                 pm._recv((b - a, cut.features), cut.dtype, rt.relay, _ACT, buf[a - lo : b - lo])
-        return buf
+        self.raw[m] = buf
+        self.acts[m] = buf.detach().requires_grad_()
+        # the previous stage sent this after its backward of m - N_prev: our gradient of it has arrived
+        self.release(self.grad_sends.pop(m - self.prev_warm, None))
 
     def F(self, m: int) -> None:
         t0 = time.perf_counter()
         pm, sg = self.pm, self.pm.sg
-        args = [self.batches[m][n] for n in sg.model_inputs]
+        args = [self.batches[m][n] for n in pm._reads]
         if sg.receives:
             args += sg.unpack(self.acts[m])
-        self.outs[m] = pm.module(**dict(zip(sg.graph.input_names, args)))  # by name: not the model's signature
+        self.outs[m] = pm.module(**dict(zip(pm._names, args)))  # by name: not the model's signature
         pm.peak_in_flight = max(pm.peak_in_flight, len(self.outs))
         if self.next is None:
             self.losses.append(self.outs[m])
@@ -566,18 +528,10 @@ class _Step:
                 dist.broadcast(g, src=pm.spec.ranks[pm.stage][0], group=pm.group)
         else:
             rows = out.numel() // cut.features
-            early = self.early.pop((_GRAD, m), None)
-            if early is not None:
-                early[0].wait()
-                g = early[1]
-            else:
-                routes = [rt for rt in cut.routes if rt.src == me]
-                g = (torch.empty if routes else torch.zeros)((rows, cut.features), dtype=out.dtype, device=pm.device)
-                for rt in routes:  # one at most: a rank holds one slice
-                    pm._recv((rt.hi - rt.lo, cut.features), cut.dtype, rt.relay, _GRAD, g)
-            if pm._lone_grad is not None and m + 1 < pm.num_micro:
-                nxt = torch.empty((rows, cut.features), dtype=out.dtype, device=pm.device)
-                self.early[_GRAD, m + 1] = pm._pg.recv([nxt], pm._lone_grad, _GRAD), nxt
+            routes = [rt for rt in cut.routes if rt.src == me]
+            g = (torch.empty if routes else torch.zeros)((rows, cut.features), dtype=out.dtype, device=pm.device)
+            for rt in routes:  # one at most: a rank holds one slice
+                pm._recv((rt.hi - rt.lo, cut.features), cut.dtype, rt.relay, _GRAD, g)
             g = g.view(out.shape)
         self.grads[m] = g
         # its gradient is back: the next stage received activation m
