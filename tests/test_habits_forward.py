@@ -102,8 +102,8 @@ class ClampNoGrad(Counter):
 def test_updates_of_state_in_forward_are_refused(cls, capture):
     model = cls()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    # (export alone reports ``.data`` as an untraceable constant: refused too, less precisely)
-    with pytest.raises(TraceError, match=r"(in-place|updates parameters or buffers|assigns|cannot trace)"):
+    # (export alone cannot say the line of a ``.data`` write: it names the construct and the fix)
+    with pytest.raises(TraceError, match=r"(in-place|updates parameters or buffers|assigns|through `.data`)"):
         hapc.trace(model, (torch.randn(3, 4),), capture=capture)
     # capturing did not change the model's state
     for k, v in model.state_dict().items():

@@ -173,6 +173,13 @@ def export_capture(model: nn.Module, example_inputs: Any) -> Captured:
     except Exception as exc:
         from .trace import _untraceable_message
 
+        if "fake tensor in the exported program constant" in str(exc):  # torch's words for a .data write
+            raise TraceError(
+                f"cannot trace {type(model).__name__}: its forward updates a parameter or buffer in place through "
+                "`.data` (e.g. `self.w.data.clamp_(...)`), which torch.export cannot capture and hapc does not replay; "
+                "move the update out of forward (after optimizer.step(), under torch.no_grad()), or capture='fx' to "
+                "be told the line"
+            ) from exc
         raise TraceError(_untraceable_message(model, exc)) from exc
     finally:
         wrapper.m = None  # type: ignore[assignment]  # drop the reference; the model is the user's
