@@ -69,3 +69,121 @@ def test_distributed_sampler_shares_under_an_uneven_plan():
         assert r["losses"] == pytest.approx(ref["losses"], rel=1e-12)
         for k, v in ref["state"].items():
             torch.testing.assert_close(r["state"][k], v, rtol=1e-10, atol=1e-12)
+
+
+# -- another batch size: the partial last batch, evaluation batches (issue 13, acceptance 3) ------------
+
+FEATURES, CLASSES, EPOCH_ROWS, EVAL_ROWS = 24, 10, 13, 5
+
+
+class _Net(torch.nn.Module):
+    """Returns the loss and the logits (which come back whole)."""
+
+    def __init__(self, p: float = 0.0):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(FEATURES, 64)
+        self.norm = torch.nn.LayerNorm(64)
+        self.drop = torch.nn.Dropout(p)
+        self.fc2 = torch.nn.Linear(64, CLASSES)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        logits = self.fc2(self.drop(torch.relu(self.norm(self.fc1(x)))))
+        return {"loss": torch.nn.functional.cross_entropy(logits, y), "logits": logits}
+
+
+def _net(p: float = 0.0) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return _Net(p).double()
+
+
+def _epoch_data() -> TensorDataset:
+    g = torch.Generator().manual_seed(11)
+    return TensorDataset(
+        torch.randn(EPOCH_ROWS, FEATURES, generator=g, dtype=torch.float64),
+        torch.randint(0, CLASSES, (EPOCH_ROWS,), generator=g),
+    )
+
+
+def _example(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(rows, FEATURES, dtype=torch.float64), torch.randint(0, CLASSES, (rows,))
+
+
+def _odd_job(rank: int, world: int, cluster: str, options: dict) -> dict:
+    import warnings
+
+    model = _net()
+    module = hapc.compile(model, cluster, _example(PER_RANK * world), **options)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    data = _epoch_data()
+    # drop_last=False: the sampler pads to equal shares, and the epoch ends with a partial batch
+    loader = DataLoader(data, batch_size=PER_RANK, sampler=DistributedSampler(data, world, rank, shuffle=False))
+    losses, sizes = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in loader:
+            opt.zero_grad()
+            loss = module(x, y)["loss"]
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+            sizes.append(len(x))
+        module.eval()
+        evals = []
+        with torch.no_grad():  # every rank the same global batch, of another size
+            for x, y in DataLoader(data, batch_size=EVAL_ROWS):
+                out = module(x, y)
+                evals.append((float(out["loss"]), out["logits"].clone()))
+    odd_warnings = [w for w in caught if "replicated step" in str(w.message)]
+    return {
+        "losses": losses,
+        "sizes": sizes,
+        "evals": evals,
+        "state": module.full_state_dict(),
+        "warnings": len(odd_warnings),
+        "sharded": any(
+            lay.is_sharded for ref, lay in module._layouts.values() if module.theory.graph[ref].kind == "param"
+        ),
+    }
+
+
+def _odd_reference(world: int) -> dict:
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = _epoch_data()
+    shares = [list(DistributedSampler(data, world, r, shuffle=False)) for r in range(world)]
+    losses = []
+    for step in range(-(-len(shares[0]) // PER_RANK)):
+        rows = [i for r in range(world) for i in shares[r][step * PER_RANK : (step + 1) * PER_RANK]]
+        x, y = data[rows]
+        opt.zero_grad()
+        loss = model(x, y)["loss"]
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    model.eval()
+    with torch.no_grad():
+        outs = [model(x, y) for x, y in DataLoader(data, batch_size=EVAL_ROWS)]
+    evals = [(float(o["loss"]), o["logits"]) for o in outs]
+    return {"losses": losses, "evals": evals, "state": model.state_dict()}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("plan", ["default", "tp"])
+def test_partial_last_batch_and_evaluation_batches(world: int, plan: str):
+    """DistributedSampler(drop_last=False) over 13 rows: shares of 2, 2 (and 2), then a partial one
+    of 1 row per rank (the sampler pads by repeating rows); then eval batches of 5 global rows.
+    Losses, logits and weights equal one device on the same rows."""
+    options = {"baseline": "tp"} if plan == "tp" else {}
+    ref = _odd_reference(world)
+    results = run_distributed(_odd_job, world, f"local-cpu:{world}", options)
+    for r in results:
+        assert r["sizes"][-1] < PER_RANK  # the partial batch ran
+        assert r["warnings"] == 1  # said once
+        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-10)
+        for (loss, logits), (want_loss, want_logits) in zip(r["evals"], ref["evals"], strict=True):
+            assert loss == pytest.approx(want_loss, rel=1e-10)
+            torch.testing.assert_close(logits, want_logits, rtol=1e-9, atol=1e-12)
+        for k, v in ref["state"].items():
+            torch.testing.assert_close(r["state"][k], v, rtol=1e-9, atol=1e-12)
+    if plan == "tp":
+        assert results[0]["sharded"]

@@ -50,6 +50,7 @@ from ..theory.instructions import Source
 from ..theory.props import Layout
 from ..theory.triples import Theory
 from .grad_norm import install as install_grad_norms
+from .odd_batch import OddBatches, is_odd
 from .program import RankProgram
 
 BUCKET_BYTES = 25 * 2**20
@@ -147,6 +148,12 @@ class CompiledModule(nn.Module):
         need = set().union(*(theory.graph.ancestors(r) for r in self._batch_refs))
         self._batch_inputs = [n for n in theory.graph.inputs if n.index in need]
         self._whole_batch: bool | None = None
+        # "global" (every rank the whole batch), "even" (each its batch/world rows) or "plan" (each
+        # its rows by the plan's ratios), as the last call of the plan's shapes was given; a call of
+        # another batch size runs a replicated step (hapc.codegen.odd_batch)
+        self._batch_mode: str | None = None
+        self._outputs = outputs
+        self._odd = OddBatches(self) if not elsewhere else None
         # inputs the plan takes whole: every rank must be given the same value (checked every step
         # in the loss all-reduce on gloo; on the first call on the eager path); not a pipeline
         # stage's (its activations arrive by the schedule, its model inputs are checked nowhere yet)
@@ -172,8 +179,19 @@ class CompiledModule(nn.Module):
         missing = [n for n in names if n not in bound]
         if missing:
             raise TypeError(f"missing model input(s) {missing}")
+        given = {n.name: tuple(getattr(bound[n.name], "shape", ())) for n in self._graph_inputs}
         bound = self._from_even_shares(bound)
-        _check_inputs(self._graph_inputs, self._free_dims, bound)
+        odd = self._odd is not None and is_odd(self, bound)
+        if odd:  # another batch size: every rank computes the whole batch (hapc.codegen.odd_batch)
+            bound = self._odd.global_batch(bound)
+        else:
+            _check_inputs(self._graph_inputs, self._free_dims, bound)
+            if self.world > 1:  # how this loop passes batches: the global one, or each rank its share
+                changed = [n for n in self._graph_inputs if given[n.name] and given[n.name] != tuple(n.shape)]
+                even = all(given[n.name][0] * self.world == n.shape[0] for n in changed)
+                self._batch_mode = "plan" if not even else "even" if changed else "global"
+            if self._odd is not None:
+                self._odd.release()
         self._check_flags()
         if self._input_grads_refused and torch.is_grad_enabled():
             wants = [n for n in names if isinstance(bound[n], torch.Tensor) and bound[n].requires_grad]
@@ -188,14 +206,18 @@ class CompiledModule(nn.Module):
         if self.world > 1 and torch.is_grad_enabled():
             self._prepare_accumulation()
             self._synced = False
-        whole, checks = self._whole_batch_values(bound)
-        checks += self._whole_input_checks(bound)
-        with C.deferring(self._channel, checks):
-            out = self.program(*[bound[n] for n in names], *whole)
         extras: tuple = ()
-        if isinstance(out, tuple):  # the loss, then the model's other returned tensors
-            out, *rest = out
-            extras = tuple(rest)
+        checks: list[tuple[int, str]] = []
+        if odd:
+            out, extras = self._odd.run(bound)
+        else:
+            whole, checks = self._whole_batch_values(bound)
+            checks += self._whole_input_checks(bound)
+            with C.deferring(self._channel, checks):
+                out = self.program(*[bound[n] for n in names], *whole)
+            if isinstance(out, tuple):  # the loss, then the model's other returned tensors
+                out, *rest = out
+                extras = tuple(rest)
         if self.rng.drops:  # every forward that may drop draws new masks (each accumulated micro-batch too)
             self.rng.step += 1
         if checks and not isinstance(out, C.GlobalLoss) and isinstance(out, torch.Tensor) and out.dim() == 0:
@@ -289,8 +311,8 @@ class CompiledModule(nn.Module):
         the global batch, which the program then splits by its ratios. Exact: every loss hapc
         accepts is a sum over rows (or a sum over a count), whatever rank a row started on. The
         decision reads only shapes and the plan, so every rank takes it alike."""
-        if self.world == 1:
-            return bound
+        if self.world == 1 or self._batch_mode == "global":
+            return bound  # global batches so far: another size is an odd batch, not a share
         shares = []
         for n in self._graph_inputs:
             x = bound.get(n.name)
