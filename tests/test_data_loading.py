@@ -187,3 +187,91 @@ def test_partial_last_batch_and_evaluation_batches(world: int, plan: str):
             torch.testing.assert_close(r["state"][k], v, rtol=1e-9, atol=1e-12)
     if plan == "tp":
         assert results[0]["sharded"]
+
+
+def _dropout_job(rank: int, world: int, compiled_rows: int, rows: int) -> dict:
+    model = _net(p=0.3)
+    module = hapc.compile(model, f"local-cpu:{world}", _example(compiled_rows))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, FEATURES, generator=g, dtype=torch.float64)
+    y = torch.randint(0, CLASSES, (rows,), generator=g)
+    losses = []
+    for _ in range(2):  # two steps: the masks move with the stream's step
+        module.zero_grad()
+        out = module(x, y)
+        out["loss"].backward()
+        losses.append(float(out["loss"]))
+    return {"losses": losses, "grads": module.full_gradients(), "logits": out["logits"].detach().clone()}
+
+
+def test_dropout_masks_of_another_batch_size_are_the_one_rank_programs():
+    """A batch of 4 rows on a module compiled for 6, on 2 and 3 ranks, draws the masks hapc's one-rank
+    program compiled for 4 draws (by global index): losses, logits and gradients equal, bit for bit
+    up to float64 summation order."""
+    one = run_distributed(_dropout_job, 1, 4, 4)[0]
+    assert one["losses"][0] != one["losses"][1]  # it drops, and the masks move with the step
+    for world in (2, 3):
+        for r in run_distributed(_dropout_job, world, 6, 4):
+            assert r["losses"] == pytest.approx(one["losses"], rel=1e-12)
+            torch.testing.assert_close(r["logits"], one["logits"], rtol=1e-12, atol=1e-14)
+            for k, v in one["grads"].items():
+                torch.testing.assert_close(r["grads"][k], v, rtol=1e-10, atol=1e-13)
+
+
+def _uneven_shares_job(rank: int, world: int) -> dict:
+    model = _net()
+    module = hapc.compile(model, f"local-cpu:{world}", _example(PER_RANK * world))
+    x, y = _epoch_data()[:]
+    with torch.no_grad():
+        module(x[rank * PER_RANK : (rank + 1) * PER_RANK], y[rank * PER_RANK : (rank + 1) * PER_RANK])  # even shares
+    lo, hi = [(0, 1), (1, 1), (1, 4)][rank]  # 1, 0 and 3 rows: an empty share in the middle
+    out = module(x[lo:hi], y[lo:hi])
+    out["loss"].backward()
+    return {"loss": float(out["loss"]), "grads": module.full_gradients(), "logits": out["logits"].detach().clone()}
+
+
+def test_uneven_and_empty_shares_of_another_size():
+    """Shares of 1, 0 and 3 rows (none the size of a share of the plan's batch: a rank given one
+    would run the program) are all-gathered in rank order: the loss, logits and gradients of one
+    device on those 4 rows."""
+    x, y = _epoch_data()[:]
+    model = _net()
+    out = model(x[:4], y[:4])
+    out["loss"].backward()
+    for r in run_distributed(_uneven_shares_job, 3):
+        assert r["loss"] == pytest.approx(float(out["loss"]), rel=1e-12)
+        torch.testing.assert_close(r["logits"], out["logits"].detach(), rtol=1e-12, atol=1e-14)
+        for k, p in model.named_parameters():
+            torch.testing.assert_close(r["grads"][k], p.grad, rtol=1e-10, atol=1e-13)
+
+
+def _refusal_job(rank: int, world: int) -> dict:
+    model = _net()
+    module = hapc.compile(model, f"local-cpu:{world}", _example(6))
+    x, y = _epoch_data()[:]
+    module(x[:6], y[:6])  # every rank the global batch
+    errors = []
+    for xs, ys in [
+        (x[rank : rank + 4], y[rank : rank + 4]),  # another size, and different on every rank
+        (x[:4], y[:3]),  # inputs disagree on the batch size
+    ]:
+        try:
+            module(xs, ys)
+            errors.append("accepted")
+        except hapc.HapcError as exc:
+            errors.append(str(exc))
+    return {"errors": errors, "after": float(module(x[:6], y[:6])["loss"])}
+
+
+def test_refusals_of_another_size_are_alike_on_every_rank():
+    """Refused calls of another size raise the same HapcError on every rank (decided on gathered
+    numbers, never a hang), and the module goes on exactly."""
+    x, y = _epoch_data()[:]
+    want = float(_net()(x[:6], y[:6])["loss"])
+    results = run_distributed(_refusal_job, 3)
+    for r in results:
+        assert r["errors"] == results[0]["errors"]
+        assert r["after"] == pytest.approx(want, rel=1e-12)
+    different, sizes = results[0]["errors"]
+    assert "different batches" in different and "same global batch" in different
+    assert "input 'y' on rank 0 has a batch size (dim 0) other than the other inputs'" in sizes
