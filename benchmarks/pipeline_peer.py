@@ -32,7 +32,7 @@ The bandwidth is set so that one micro-batch's activations take ``--link-share``
 stage's forward + backward; hapc runs H-1F1B (warm-ups from HARP Eq. 1-2 on the measured times)
 and PyTorch ``Schedule1F1B``.
 
-    python benchmarks/pipeline_peer.py [--rounds 3] [--steps 16] [--micro 8 32] [--link-share 0.6]
+    python benchmarks/pipeline_peer.py [--rounds 5] [--steps 16] [--micro 8 32] [--link-share 0.6]
                                        [--json out.json] [--quick]
 """
 
@@ -424,7 +424,7 @@ def check(cfg: GPTConfig, batch: int, num_micro: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=16, help="timed steps per side and round")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds, each on fresh processes")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds, each on fresh processes")
     ap.add_argument("--micro", type=int, nargs="*", default=[8, 32], help="micro-batch counts")
     ap.add_argument("--link-share", type=float, default=0.6, help="slow link: one message / slowest stage time")
     ap.add_argument("--json", default=str(Path(__file__).with_suffix(".json")))
