@@ -275,3 +275,53 @@ def test_refusals_of_another_size_are_alike_on_every_rank():
     different, sizes = results[0]["errors"]
     assert "different batches" in different and "same global batch" in different
     assert "input 'y' on rank 0 has a batch size (dim 0) other than the other inputs'" in sizes
+
+
+class _BatchNormNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(FEATURES, 32)
+        self.bn = torch.nn.BatchNorm1d(32)
+        self.fc2 = torch.nn.Linear(32, CLASSES)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.fc2(torch.relu(self.bn(self.fc1(x)))), y)
+
+
+def _bn_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return _BatchNormNet().double()
+
+
+def _bn_job(rank: int, world: int, options: dict) -> dict:
+    module = hapc.compile(_bn_net(), f"local-cpu:{world}", _example(6), **options)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    x, y = _epoch_data()[:]
+    losses = []
+    for lo, hi in [(0, 6), (6, 10), (10, 13)]:  # the plan's 6 rows, then 4 and 3
+        opt.zero_grad()
+        loss = module(x[lo:hi], y[lo:hi])
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return {"losses": losses, "state": module.full_state_dict()}
+
+
+@pytest.mark.parametrize("plan", ["default", "tp"])
+def test_batch_norm_statistics_of_another_batch_size(plan: str):
+    """Batch norm in training on batches of another size: normalised by the whole batch's
+    statistics, and the running statistics (and counter) move as on one device."""
+    model = _bn_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _epoch_data()[:]
+    want = []
+    for lo, hi in [(0, 6), (6, 10), (10, 13)]:
+        opt.zero_grad()
+        loss = model(x[lo:hi], y[lo:hi])
+        loss.backward()
+        opt.step()
+        want.append(float(loss))
+    for r in run_distributed(_bn_job, 2, {"baseline": "tp"} if plan == "tp" else {}):
+        assert r["losses"] == pytest.approx(want, rel=1e-10)
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(r["state"][k], v, rtol=1e-9, atol=1e-12)
