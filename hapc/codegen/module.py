@@ -179,17 +179,17 @@ class CompiledModule(nn.Module):
         missing = [n for n in names if n not in bound]
         if missing:
             raise TypeError(f"missing model input(s) {missing}")
-        given = {n.name: tuple(getattr(bound[n.name], "shape", ())) for n in self._graph_inputs}
-        bound = self._from_even_shares(bound)
-        odd = self._odd is not None and is_odd(self, bound)
-        if odd:  # another batch size: every rank computes the whole batch (hapc.codegen.odd_batch)
+        # how this loop passes batches -- "global", "even" (DistributedSampler) or the "plan"'s shares --
+        # is agreed on the first call; a call of another batch size runs a replicated step
+        odd = self._odd.agree(bound) if self._odd is not None and self._batch_mode is None else None
+        if not odd:
+            bound = self._from_even_shares(bound)
+            if odd is None:
+                odd = self._odd is not None and is_odd(self, bound)
+        if odd:  # every rank computes the whole batch (hapc.codegen.odd_batch)
             bound = self._odd.global_batch(bound)
         else:
             _check_inputs(self._graph_inputs, self._free_dims, bound)
-            if self.world > 1:  # how this loop passes batches: the global one, or each rank its share
-                changed = [n for n in self._graph_inputs if given[n.name] and given[n.name] != tuple(n.shape)]
-                even = all(given[n.name][0] * self.world == n.shape[0] for n in changed)
-                self._batch_mode = "plan" if not even else "even" if changed else "global"
             if self._odd is not None:
                 self._odd.release()
         self._check_flags()
@@ -311,8 +311,8 @@ class CompiledModule(nn.Module):
         the global batch, which the program then splits by its ratios. Exact: every loss hapc
         accepts is a sum over rows (or a sum over a count), whatever rank a row started on. The
         decision reads only shapes and the plan, so every rank takes it alike."""
-        if self.world == 1 or self._batch_mode == "global":
-            return bound  # global batches so far: another size is an odd batch, not a share
+        if self.world == 1 or self._batch_mode in ("global", "plan"):
+            return bound  # global batches or the plan's shares: another size is an odd batch, not a share
         shares = []
         for n in self._graph_inputs:
             x = bound.get(n.name)

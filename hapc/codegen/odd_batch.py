@@ -60,6 +60,25 @@ def is_odd(module: Any, bound: dict[str, Any]) -> bool:
     return False
 
 
+def _kinds(module: Any, bound: dict[str, Any]) -> int:
+    """What this rank was given, as bits: 1 the plan's shapes, 2 this rank's share of the plan's
+    split, 4 an even share (``batch / world`` rows); 0 none of these (another batch size)."""
+    full, plan, even = True, True, True
+    for n in module._graph_inputs:
+        x = bound.get(n.name)
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) == tuple(n.shape):
+            continue
+        if x.dim() != len(n.shape) or x.dim() == 0 or tuple(x.shape[1:]) != tuple(n.shape[1:]):
+            continue  # not a batch change: the usual checks name it
+        full = False
+        if 0 in module._free_dims.get(n.index, ()):
+            plan = plan and x.shape[0] == module.theory.local_sizes(n.index, 0, module.plan.device_ratios)[module.rank]
+        else:
+            plan = False
+        even = even and x.shape[0] * module.world == n.shape[0]
+    return 7 if full else 2 * plan + 4 * even
+
+
 class _Whole(torch.autograd.Function):
     """A parameter's whole value (given, gathered) whose backward keeps this rank's part of the
     whole gradient: the slice ``[start, start + length)`` of dim ``dim`` (sharded), all of it
@@ -88,6 +107,24 @@ class OddBatches:
         self.graphs: dict[tuple, tuple[RefGraph, dict[int, Any]]] = {}
         self.warned = False
         self._whole: dict[str, tuple[int, torch.Tensor]] = {}  # attr -> (version, gathered value)
+
+    def agree(self, bound: dict[str, Any]) -> bool:
+        """Until the first call of the plan's shapes, the ranks agree on what they were given (one
+        ``all_gather`` of a few bits), so that all run the program or all the replicated step --
+        a rank whose odd batch happens to have its share's size must not run the program alone."""
+        m = self.m
+        if m.world == 1:
+            return is_odd(m, bound)
+        kinds = [row[0] for row in self._all_gather_ints([_kinds(m, bound)])]
+        if all(k & 1 for k in kinds):
+            m._batch_mode = "global"
+        elif all(k & 3 for k in kinds):  # the whole batch on some ranks, the plan's shares on others
+            m._batch_mode = "plan"
+        elif all(k & 4 and not k & 1 for k in kinds):  # (shares beside the whole batch: refused below)
+            m._batch_mode = "even"
+        else:
+            return True
+        return False
 
     def release(self) -> None:
         """Drop the cached whole parameters (a call of the plan's shape is back)."""
@@ -162,6 +199,8 @@ class OddBatches:
             if all(0 in m._free_dims.get(inputs[i].index, ()) and sizes == m.theory.local_sizes(
                     inputs[i].index, 0, m.plan.device_ratios) for i in _bits(table[0][3])):  # fmt: skip
                 m._batch_mode = "plan"  # the plan's own uneven split: later calls run the program
+            elif m._batch_mode is None:
+                m._batch_mode = "even"  # shares: later shares of batch / world rows are gathered
             if total:
                 bound = dict(bound)
                 for name, x in batch.items():
