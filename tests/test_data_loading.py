@@ -325,3 +325,26 @@ def test_batch_norm_statistics_of_another_batch_size(plan: str):
         assert r["losses"] == pytest.approx(want, rel=1e-10)
         for k, v in model.state_dict().items():
             torch.testing.assert_close(r["state"][k], v, rtol=1e-9, atol=1e-12)
+
+
+def _first_call_job(rank: int, world: int) -> dict:
+    from hapc.testing import cluster_of
+
+    model, (x, y) = models.load("mlp", batch=16, dtype=torch.float64)
+    module = hapc.compile(model, cluster_of([5e9, 3e9, 2e9]), (x, y), baseline="dp-cp")
+    ref = next(n.index for n in module.theory.graph.inputs if n.name == "x")
+    sizes = module.theory.local_sizes(ref, 0, module.plan.device_ratios)
+    module.eval()
+    with torch.no_grad():
+        loss = module(x[: sizes[1]], y[: sizes[1]])  # the first call: rank 1's share size, but the global batch
+    return {"sizes": sizes, "loss": float(loss)}
+
+
+def test_a_first_call_of_a_ranks_share_size_is_the_global_batch():
+    """Every rank is given the same 5 rows, which is rank 1's share of the plan's 16 (8, 5, 3): the
+    ranks agree on the first call that it is another batch size (rank 1 alone must not run the
+    program on it as its share) and return one device's loss on the 5 rows."""
+    model, (x, y) = models.load("mlp", batch=16, dtype=torch.float64)
+    for r in run_distributed(_first_call_job, 3):
+        assert len(set(r["sizes"])) == 3
+        assert r["loss"] == pytest.approx(float(model(x[: r["sizes"][1]], y[: r["sizes"][1]])), rel=1e-12)
