@@ -348,3 +348,38 @@ def test_a_first_call_of_a_ranks_share_size_is_the_global_batch():
     for r in run_distributed(_first_call_job, 3):
         assert len(set(r["sizes"])) == 3
         assert r["loss"] == pytest.approx(float(model(x[: r["sizes"][1]], y[: r["sizes"][1]])), rel=1e-12)
+
+
+def _gpt_job(rank: int, world: int, options: dict) -> dict:
+    model, (ids, targets) = models.load("gpt", batch=4, dtype=torch.float64)
+    module = hapc.compile(model, f"local-cpu:{world}", (ids, targets), **options)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(3)
+    losses = []
+    for rows in (4, 3, 4):  # a partial batch between two of the plan's (positions, heads: literal shapes)
+        batch = torch.randint(0, 97, (rows, 16), generator=g)
+        opt.zero_grad()
+        loss = module(batch, batch.roll(-1, 1))
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return {"losses": losses, "state": module.full_state_dict()}
+
+
+@pytest.mark.parametrize("plan", ["default", "tp"])
+def test_a_transformer_trains_through_a_partial_batch(plan: str):
+    model, _ = models.load("gpt", batch=4, dtype=torch.float64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(3)
+    want = []
+    for rows in (4, 3, 4):
+        batch = torch.randint(0, 97, (rows, 16), generator=g)
+        opt.zero_grad()
+        loss = model(batch, batch.roll(-1, 1))
+        loss.backward()
+        opt.step()
+        want.append(float(loss))
+    for r in run_distributed(_gpt_job, 3, {"baseline": "tp"} if plan == "tp" else {}):
+        assert r["losses"] == pytest.approx(want, rel=1e-10)
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(r["state"][k], v, rtol=1e-8, atol=1e-10)

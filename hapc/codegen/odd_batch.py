@@ -8,7 +8,7 @@ reference graph's), so such a call runs an exact *replicated step* instead of th
    of the batch): the same global batch on every rank, or each rank its share (``DistributedSampler``
    pads its indices so the shares are equal; uneven and empty shares work too), which are then
    all-gathered in rank order into the global batch -- the rows single-device training would see;
-2. the model is traced again at the global batch's shapes on the meta device (cached per shape
+2. the model is traced again at the global batch's shapes (on meta tensors, cached per shape
    and mode); its parameters and buffers must be the compiled graph's, node by node, else the call
    is refused naming the node;
 3. every rank evaluates that single-device graph on the whole batch with whole parameters
@@ -246,7 +246,9 @@ class OddBatches:
         from ..theory import trace
 
         old = self.m.theory.graph
-        example = {k: v.detach().to("meta") if isinstance(v, torch.Tensor) else v for k, v in bound.items()}
+        # only shapes are read, but on the real device: tensors the forward creates (positions, masks)
+        # become constants with values
+        example = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in bound.items()}
         # how hapc.compile traced it (leaf_modules, capture, loss), where it recorded that
         opts = {"capture": old.capture, "loss": old.loss_leaf, **self.m.__dict__.get("_trace_options", {})}
         new = trace(old.module, example, **opts)
@@ -256,8 +258,8 @@ class OddBatches:
                 "compiled shapes): its forward depends on the batch size -- synthesize and compile again for them"
             )
         for a, b in zip(old, new):
-            same = a.kind == b.kind and a.op == b.op and a.name == b.name
-            if same and a.kind in (PARAM, BUFFER):
+            same = a.kind == b.kind and a.op == b.op and (a.name == b.name or (_constant(a) and _constant(b)))
+            if same and (a.kind == PARAM or (a.kind == BUFFER and not _constant(a))):
                 same = a.target == b.target and a.meta == b.meta
             if not same:
                 raise HapcError(
@@ -325,6 +327,8 @@ class OddBatches:
                 values[n.index] = x.to(m.device) if isinstance(x, torch.Tensor) else x
             elif n.kind == PARAM:
                 values[n.index] = self._param(n, by_target.get(n.target, []), n.target in grad_complete)
+            elif n.kind == BUFFER and _constant(n):  # a tensor the forward made (a mask): this trace's value
+                values[n.index] = getattr(graph.module, n.target).to(m.device)
             elif n.kind == BUFFER:
                 whole = self._buffer(n, by_target.get(n.target, []))
                 written.append((whole, whole._version, by_target.get(n.target, [])))
@@ -413,6 +417,12 @@ class OddBatches:
         attr, lay = copies[0]
         self._whole.pop(attr, None)
         return self._gathered(attr, lay).clone()
+
+
+def _constant(n: Any) -> bool:
+    """A tensor the forward created from Python values, which tracing attached to the model (its
+    name is numbered anew by every trace, and its value may depend on the batch size)."""
+    return str(n.target or "").startswith("_tensor_constant")
 
 
 def _bits(mask: int) -> list[int]:
