@@ -888,9 +888,6 @@ def _dropped_results(world: int, kind: str) -> dict[str, Any]:
     return run_distributed(_dropped_job, world, kind)
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="issue 13 items 4-5: hapc/theory/trace.py drops these updates silently"
-)
 @pytest.mark.parametrize("world, kind", PLANS)
 @pytest.mark.parametrize("cls", DROPPED, ids=lambda c: c.__name__)
 def test_dropped_state_updates_are_exact_or_refused(cls, world, kind):

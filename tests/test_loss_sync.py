@@ -259,7 +259,7 @@ def _probe(rank, world):
     loss.backward(retain_graph=True)
     # a probe (gradient norm) by autograd.grad would return this rank's partial gradients of the
     # replicated parameters: refused (tests/test_backward_forms.py); .grad must be left as it was
-    with pytest.raises(hapc.HapcError, match="torch.autograd.grad over parameters the plan replicates"):
+    with pytest.raises(hapc.HapcError, match=r"torch\.autograd\.grad over parameters the plan replicates"):
         torch.autograd.grad(loss, list(m.parameters()))
     after_probe = m.full_gradients()
     m.zero_grad(set_to_none=True)

@@ -254,3 +254,58 @@ def test_optional_inputs_left_at_none_take_the_callers_branch(given, capture):
     assert [n.name for n in g.inputs] == (["x", "mask"] if given == "given" else ["x"])
     got = g.evaluate({k: v for k, v in inputs.items() if v is not None})[g.loss.index]
     torch.testing.assert_close(got, model(**inputs), rtol=1e-12, atol=0)
+
+
+class _ItemAssignment(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        y = torch.zeros_like(h)
+        y[0] = h[1] * 2  # fx records the write as a node nobody reads
+        y[:, 1:] = h[:, :-1]
+        return y.square().mean()
+
+
+@pytest.mark.parametrize("capture", ["auto", "fx", "export"])
+def test_item_assignment_into_a_fresh_tensor_is_followed_or_refused(capture):
+    torch.manual_seed(0)
+    model = _ItemAssignment().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    try:
+        g = hapc.trace(model, (x,), capture=capture)
+    except TraceError as e:  # fx cannot follow it: refused, naming the line (auto then uses export)
+        assert capture == "fx" and "y[0] = h[1] * 2" in str(e)
+        return
+    assert capture != "fx"
+    got = g.evaluate({g.inputs[0].name: x})[g.loss.index]
+    want = model(x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    for a, b in zip(
+        torch.autograd.grad(got, list(model.parameters())), torch.autograd.grad(want, list(model.parameters()))
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
+
+
+class _TableAttribute(nn.Module):
+    """A plain tensor attribute (not a registered buffer) written in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.table = torch.zeros(3, 4, dtype=torch.float64)
+
+    def forward(self, x):
+        h = self.lin(x)
+        loss = (h + self.table[0]).square().mean()
+        self.table[0] = h.mean(0).detach()
+        return loss
+
+
+@pytest.mark.parametrize("capture", ["auto", "fx", "export"])
+def test_item_assignment_into_a_tensor_attribute_is_refused(capture):
+    model = _TableAttribute().double()
+    with pytest.raises(TraceError, match="in-place"):
+        hapc.trace(model, (torch.randn(3, 4, dtype=torch.float64),), capture=capture)

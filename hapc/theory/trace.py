@@ -86,6 +86,15 @@ class _Proxy(fx.Proxy):
             return self[0 if name == "values" else 1]
         return super().__getattr__(name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "data":  # `p.data = ...` in forward: fx would keep it on this proxy, unrecorded
+            raise TraceError(
+                f"in-place assignment to .data of {self.node.name} in forward: hapc does not replay updates of "
+                "parameters or buffers made in forward yet; move the update out of forward (e.g. after "
+                "optimizer.step(), under torch.no_grad())"
+            )
+        super().__setattr__(name, value)
+
     def __len__(self) -> int:
         val = self.node.meta.get("hapc_val", _MISSING)
         if isinstance(val, (torch.Tensor, tuple, list)):
@@ -107,6 +116,10 @@ class _Tracer(fx.Tracer):
         # fx's record_stack_traces symbolizes the whole stack of every node (and imports torch._inductor
         # on the first): ~1 s of a cold `hapc synth`. create_proxy records the one frame hapc reports.
         self.record_stack_traces = False
+        # buffers are graph inputs like parameters: computed on eagerly, `self.buf.clone()` would be a
+        # constant of the moment of tracing, and a later update of the buffer (load_state_dict, a
+        # queue) would never reach the program
+        self.proxy_buffer_attributes = True
         self.example_inputs = example_inputs
         self._placeholders = 0
         self.device = _example_device(example_inputs)
@@ -231,7 +244,7 @@ def trace(
             return _trace_export(model, example_inputs, loss)
     buffers = {k: b.detach().clone() for k, b in model.named_buffers() if b.device.type != "meta"}
     try:
-        with _no_state_assignment(), _restoring(model, buffers):
+        with _no_state_assignment(), _restoring(model, buffers), _state_unchanged(model):
             return _trace_fx(model, example_inputs, leaf_modules, registry, loss)
     except TraceError as fx_error:
         if capture == "fx" or leaf_modules or _mutation_error(fx_error):
@@ -256,7 +269,15 @@ def _no_state_assignment() -> Any:
 
     def guarded(self: nn.Module, name: str, value: Any) -> None:
         state = self.__dict__.get("_buffers", {}), self.__dict__.get("_parameters", {})
-        if isinstance(value, fx.Proxy) or (isinstance(value, torch.Tensor) and any(name in t for t in state)):
+        old = self.__dict__.get(name)
+        counter = (  # a Python number the forward changes (a step counter): read as a constant by the graph
+            type(value) in (int, float) and type(old) in (int, float) and value != old
+        )
+        if (
+            counter
+            or isinstance(value, fx.Proxy)
+            or (isinstance(value, torch.Tensor) and any(name in t for t in state))
+        ):
             frame = next((f for f in reversed(traceback.extract_stack()[:-1]) if _user_file(f.filename)), None)
             where = f"{os.path.basename(frame.filename)}:{frame.lineno}: {(frame.line or '').strip()}" if frame else ""
             raise TraceError(
@@ -271,6 +292,31 @@ def _no_state_assignment() -> Any:
         yield
     finally:
         nn.Module.__setattr__ = setattr_  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _state_unchanged(model: nn.Module) -> Any:
+    """Refuse a capture during which a parameter or buffer changed: fx runs a forward's Python, and an
+    update it cannot record (``buf.add_(1)`` on constants, ``buf[i] = h``, ``torch.add(..., out=buf)``,
+    ``p.data = ...``) happens once, at capture -- the graph would hold that moment's value and training
+    would never replay it. (``_restoring`` then puts the buffers back.)"""
+    state = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    def where(t: torch.Tensor) -> tuple:
+        return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
+
+    before = [(k, t, t._version, where(t), t.data) for k, t in state]
+    yield
+    changed = [k for k, t, version, at, _ in before if t._version != version or where(t) != at]
+    if not changed:
+        return
+    for _, t, _, at, data in before:  # `.data = ...` swaps: the old storage back
+        if where(t) != at:
+            t.data = data
+    raise TraceError(
+        f"{type(model).__name__}.forward updates {changed[0]!r} in place (an in-place op, an item assignment, "
+        "out=, or .data = ...); hapc does not replay updates of parameters or buffers made in forward yet: "
+        "move the update out of forward (e.g. after optimizer.step()), or compute the value and return it"
+    )
 
 
 @contextlib.contextmanager
@@ -596,6 +642,8 @@ class _Builder:
         input_names = []
         for n in self.gm.graph.nodes:
             v = self.values.get(n)
+            if capture == "fx" and n.op in ("call_function", "call_method"):
+                self._refuse_writes(n)
             if n.op == "placeholder":
                 if not isinstance(v, torch.Tensor):
                     self.env[n] = _fold_devices(v)
@@ -739,6 +787,32 @@ class _Builder:
             args=(total, denom),
             meta=_meta(value),
             source=src,
+        )
+
+    def _refuse_writes(self, n: fx.Node) -> None:
+        """fx records ``x[i] = y`` and ``torch.add(a, b, out=x)`` as nodes whose results nobody reads:
+        later readers of ``x`` would read it unwritten. Into a parameter, buffer or input: refused (not
+        replayed); into a fresh tensor: a capture error, so that capture="auto" retries with
+        torch.export, which functionalises it."""
+        setitem = (n.op == "call_function" and n.target is operator.setitem) or (
+            n.op == "call_method" and n.target == "__setitem__"
+        )
+        if setitem and isinstance(n.args[0], fx.Node):
+            written, how = n.args[0], "item assignment"
+        elif isinstance(n.kwargs.get("out"), fx.Node):
+            written, how = n.kwargs["out"], "out="
+        else:
+            return
+        root = _mutated_root(written)
+        if root is not None:
+            raise TraceError(
+                f"in-place {how} at {_source(n)} updates {root}: hapc does not replay in-place updates of "
+                "parameters, buffers or inputs in forward yet; write it out of place, or move the update out "
+                "of forward (e.g. after optimizer.step())"
+            )
+        raise TraceError(
+            f"{how} at {_source(n)} writes into {written.name}, which the fx capture cannot follow; write it "
+            "out of place (torch.cat, torch.where, index_put), or trace with capture='export'"
         )
 
     def _out_of_place(self, n: fx.Node) -> str:
