@@ -189,8 +189,31 @@ def test_partial_last_batch_and_evaluation_batches(world: int, plan: str):
         assert results[0]["sharded"]
 
 
-def _dropout_job(rank: int, world: int, compiled_rows: int, rows: int) -> dict:
-    model = _net(p=0.3)
+class _AttentionNet(torch.nn.Module):
+    """Attention dropout (SDPA ``dropout_p``) and functional dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(FEATURES // 4, 3 * 8)
+        self.out = torch.nn.Linear(8 * 4, CLASSES)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        q, k, v = self.qkv(x.reshape(x.shape[0], 4, FEATURES // 4)).reshape(x.shape[0], 4, 3, 8).unbind(2)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.2 if self.training else 0.0)
+        h = torch.nn.functional.dropout(a.reshape(x.shape[0], 32), 0.3, self.training)
+        logits = self.out(h)
+        return {"loss": torch.nn.functional.cross_entropy(logits, y), "logits": logits}
+
+
+def _dropout_model(kind: str) -> torch.nn.Module:
+    if kind == "module":
+        return _net(p=0.3)
+    torch.manual_seed(0)
+    return _AttentionNet().double()
+
+
+def _dropout_job(rank: int, world: int, compiled_rows: int, rows: int, kind: str) -> dict:
+    model = _dropout_model(kind)
     module = hapc.compile(model, f"local-cpu:{world}", _example(compiled_rows))
     g = torch.Generator().manual_seed(5)
     x = torch.randn(rows, FEATURES, generator=g, dtype=torch.float64)
@@ -204,14 +227,15 @@ def _dropout_job(rank: int, world: int, compiled_rows: int, rows: int) -> dict:
     return {"losses": losses, "grads": module.full_gradients(), "logits": out["logits"].detach().clone()}
 
 
-def test_dropout_masks_of_another_batch_size_are_the_one_rank_programs():
+@pytest.mark.parametrize("kind", ["module", "functional-and-sdpa"])
+def test_dropout_masks_of_another_batch_size_are_the_one_rank_programs(kind: str):
     """A batch of 4 rows on a module compiled for 6, on 2 and 3 ranks, draws the masks hapc's one-rank
     program compiled for 4 draws (by global index): losses, logits and gradients equal, bit for bit
     up to float64 summation order."""
-    one = run_distributed(_dropout_job, 1, 4, 4)[0]
+    one = run_distributed(_dropout_job, 1, 4, 4, kind)[0]
     assert one["losses"][0] != one["losses"][1]  # it drops, and the masks move with the step
     for world in (2, 3):
-        for r in run_distributed(_dropout_job, world, 6, 4):
+        for r in run_distributed(_dropout_job, world, 6, 4, kind):
             assert r["losses"] == pytest.approx(one["losses"], rel=1e-12)
             torch.testing.assert_close(r["logits"], one["logits"], rtol=1e-12, atol=1e-14)
             for k, v in one["grads"].items():
