@@ -21,6 +21,10 @@ conversion between the sharded state and an ordinary single-device ``state_dict`
   ``unwrap()`` writes the trained weights into the model compiled from, which raises while stale
   (:mod:`.original`). Inputs the plan takes whole must be alike on every rank: their hashes ride
   in the loss all-reduce, and a difference raises instead of mixing the ranks' values.
+* Batches as users load them: the global batch on every rank, each rank its ``batch / world``
+  rows (``DistributedSampler``: all-gathered, then split by the plan's ratios) or its share of the
+  plan's split; how is agreed on the first call. A batch of another size (the last, partial one;
+  evaluation batches) runs an exact replicated step (:mod:`.odd_batch`).
 """
 
 from __future__ import annotations
