@@ -323,6 +323,7 @@ def compile(
         model, theory, plan, group=group, device=device, seed=seed, init=init, loss_sync=loss_sync, outputs=outputs
     )
     module._mode_branch = mode_branch
+    module._trace_options = {"leaf_modules": tuple(leaf_modules)}  # an odd batch is traced again likewise
     guard(model, module)  # the model raises while stale: module.unwrap() writes the trained weights back
     return module
 
