@@ -313,6 +313,8 @@ class RankProgram:
                 return g.call_function(C.global_value, (x, self.group()), name="loss")
             if ins.layout.is_sharded:  # a pipeline stage's rows: each rank's own, gradients arrive whole
                 return x
+            if self.world == 1:  # nothing to scale (a one-rank pipeline stage): no extra pass in backward
+                return x
             return g.call_function(C.grad_scale, (x, 1.0 / self.world), name="loss")
         raise TypeError(f"unknown instruction {ins!r}")
 
