@@ -107,6 +107,7 @@ def megatron_layouts(g: RefGraph) -> dict[int, Layout]:
     """Parameter layouts of Megatron's tensor parallelism, found structurally: a linear reading a
     replicated activation is column-parallel (weight rows sharded, output features sharded); one
     reading feature-sharded activations is row-parallel (weight columns sharded, output Partial).
+    ``addmm(bias, x, w)`` (GPT-2's Conv1D, weight stored ``[in, out]``) likewise, transposed.
     Biases follow their linear; every other parameter is replicated."""
     wanted: dict[int, Layout] = {n.index: REPLICATED for n in g if n.kind in (PARAM, BUFFER, INPUT)}
     flagged: set[int] = set()
@@ -121,6 +122,16 @@ def megatron_layouts(g: RefGraph) -> dict[int, Layout]:
                 flagged.add(n.index)
                 if len(ops) == 3:
                     wanted[ops[2]] = shard(0)
+            continue
+        if n.op == "addmm" and len(ops) == 3 and g[ops[2]].kind == PARAM:  # GPT-2's Conv1D: weight [in, out]
+            b, x, w = ops
+            if x in flagged:
+                wanted[w] = shard(0)  # row-parallel; the bias is added once (the addmm rule's Partial)
+            else:
+                wanted[w] = shard(1)
+                if g[b].kind == PARAM and g[b].meta.rank == 1:
+                    wanted[b] = shard(0)
+                flagged.add(n.index)
             continue
         if n.op == "add" and len(ops) == 2:
             a, b = ops
