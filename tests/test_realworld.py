@@ -56,6 +56,9 @@ def _job(rank: int, world: int, name: str, cluster: str, opts: dict) -> dict[str
     torch.set_num_threads(1)
     model, batch = realworld.build(name)
     module = hapc.compile(model, cluster, batch, **opts)
+    if opts.get("baseline") == "tp":  # Megatron's plan must shard weights (GPT-2's Conv1D included)
+        sharded = [i for i in module.plan.instructions if type(i).__name__ == "Source" and i.layout.is_sharded]
+        assert any("weight" in module.plan.node_names[i.ref] for i in sharded), f"{name}: TP sharded no weight"
     loss, logits = _split(_call(module, batch))
     loss.backward()
     out = {"loss": float(loss.detach()), "logits": logits.detach().clone(), "grads": module.full_gradients()}
