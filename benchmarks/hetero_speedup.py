@@ -52,8 +52,8 @@ SPEEDS = [1.0, 0.5]
 #: name -> (factory kwargs, quick kwargs); batch sizes make compute dominate the gradient all-reduce
 CASES: dict[str, tuple[str, dict, dict]] = {
     "mlp": ("mlp", {"batch": 768, "widths": (512, 1024, 1024, 512)}, {"batch": 96, "widths": (64, 128, 64)}),
-    "vgg": ("cnn", {"size": "tiny", "batch": 96, "image": 32}, {"size": "tiny", "batch": 12, "image": 16}),
-    "transformer": ("gpt", {"batch": 48}, {"batch": 8}),
+    "vgg": ("cnn", {"size": "tiny", "batch": 128, "image": 64}, {"size": "tiny", "batch": 12, "image": 16}),
+    "transformer": ("gpt", {"batch": 256}, {"batch": 8}),
 }
 
 
