@@ -309,3 +309,22 @@ def test_item_assignment_into_a_tensor_attribute_is_refused(capture):
     model = _TableAttribute().double()
     with pytest.raises(TraceError, match="in-place"):
         hapc.trace(model, (torch.randn(3, 4, dtype=torch.float64),), capture=capture)
+
+
+def test_export_captures_mse_loss():
+    """F.mse_loss calls torch.broadcast_tensors(*tensors); ATen's takes a list."""
+
+    class Reg(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x, y):
+            return F.mse_loss(self.lin(x), y)
+
+    torch.manual_seed(0)
+    model = Reg().double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    g = hapc.trace(model, (x, y), capture="export")
+    got = g.evaluate({g.inputs[0].name: x, g.inputs[1].name: y})[g.loss.index]
+    torch.testing.assert_close(got, model(x, y), rtol=1e-12, atol=0)

@@ -667,6 +667,11 @@ def _split(t, args, kwargs, node):
     return t.emit(torch.split, (args[0], args[1], _arg(args, kwargs, 2, "dim", 0)), {}, node)
 
 
+@special("broadcast_tensors")  # aten takes a list, torch.broadcast_tensors(*tensors) (F.mse_loss calls it)
+def _broadcast_tensors(t, args, kwargs, node):
+    return t.emit(torch.broadcast_tensors, tuple(args[0]), {}, node)
+
+
 @special("t")
 def _t(t, args, kwargs, node):
     if node.args[0].meta["val"].dim() < 2:  # a 0-d or 1-d tensor's t() is itself
