@@ -28,6 +28,7 @@ from ..theory.props import Layout
 from ..theory.strategy import OUT, LocalCall, Operand, ShardMarker, Strategy, StreamMarker
 from ..theory.trace import CurrentDevice
 from ..theory.triples import Theory
+from .regions import REGION, checkpoint_regions
 
 
 @dataclass
@@ -177,7 +178,14 @@ class RankProgram:
         for seg in self.plan.program:
             for triple in seg:
                 for ins in triple:
+                    last = g._root.prev  # the nodes after it are this instruction's
                     out = self.emit(ins)
+                    region = self.theory.graph[ins.ref].region
+                    if region is not None and isinstance(ins, (Compute, Collective)):
+                        n = last.next
+                        while n is not g._root:  # recomputed in backward (hapc.codegen.regions)
+                            n.meta[REGION] = region
+                            n = n.next
                     if isinstance(ins, Loss):
                         loss = out
         if loss is None:
@@ -254,6 +262,8 @@ class RankProgram:
                     continue
                 with g.inserting_before(add):
                     fused = g.call_function(F.linear, (lin.args[0], weight, bias))
+                if REGION in add.meta:
+                    fused.meta[REGION] = add.meta[REGION]
                 add.replace_all_uses_with(fused)
                 g.erase_node(add)
                 g.erase_node(lin)
@@ -296,7 +306,9 @@ class RankProgram:
     def module(self, root: torch.nn.Module) -> fx.GraphModule:
         """The program over ``root``, which holds every tensor named in ``state`` plus ``group``
         and ``device``."""
-        return fx.GraphModule(root, self.graph, class_name=f"Rank{self.rank}")
+        gm = fx.GraphModule(root, self.graph, class_name=f"Rank{self.rank}")
+        checkpoint_regions(gm)  # the model's torch.utils.checkpoint regions, recomputed in backward
+        return gm
 
     def emit(self, ins: Any) -> fx.Node | None:
         g, th = self.graph, self.theory

@@ -168,8 +168,13 @@ def export_capture(model: nn.Module, example_inputs: Any) -> Captured:
             seen.add(id(v))
     spec: list[Any] = []
     wrapper = _Flatten(model, positional, spec)
+    from torch.fx.traceback import annotate, preserve_node_meta
+
+    from .trace import checkpoint_regions
+
     try:
-        ep = torch.export.export(wrapper, (), kwargs, strict=False)
+        with preserve_node_meta(), checkpoint_regions(lambda k: annotate({"hapc_region": k})):
+            ep = torch.export.export(wrapper, (), kwargs, strict=False)
     except Exception as exc:
         from .trace import _untraceable_message
 
@@ -428,6 +433,9 @@ class _Translator:
     def emit(self, target: Any, args: tuple, kwargs: dict, node: fx.Node, method: bool = False) -> fx.Node:
         out = self.g.call_method(target, args, kwargs) if method else self.g.call_function(target, args, kwargs)
         out.meta["stack_trace"] = node.meta.get("stack_trace")
+        region = node.meta.get("custom", {}).get("hapc_region")
+        if region is not None:  # a torch.utils.checkpoint region (see trace.checkpoint_regions)
+            out.meta["hapc_region"] = region
         return out
 
     def translate(self, name: str, target: Any, args: tuple, kwargs: dict, node: fx.Node) -> Any:

@@ -91,6 +91,7 @@ class RefNode:
     mem_bytes: float = 0.0  # forward memory traffic (operands + result)
     source: str = ""  # "file.py:12: <code>" for error messages
     users: list[int] = field(default_factory=list)
+    region: int | None = None  # the torch.utils.checkpoint call it ran in (recomputed in backward)
 
     @property
     def operands(self) -> list[int]:

@@ -197,6 +197,8 @@ def normalise_modules(gm: fx.GraphModule) -> None:
             continue
         for n in set(g.nodes) - before:  # the new nodes point at the module call's source line
             n.meta["stack_trace"] = node.meta.get("stack_trace")
+            if "hapc_region" in node.meta:  # and stay in its torch.utils.checkpoint region
+                n.meta["hapc_region"] = node.meta["hapc_region"]
         node.replace_all_uses_with(new)
         g.erase_node(node)
     g.lint()

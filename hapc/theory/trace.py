@@ -22,6 +22,7 @@ import operator
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -120,6 +121,7 @@ class _Tracer(fx.Tracer):
         # constant of the moment of tracing, and a later update of the buffer (load_state_dict, a
         # queue) would never reach the program
         self.proxy_buffer_attributes = True
+        self.region: int | None = None  # the torch.utils.checkpoint call being traced (see _regions)
         self.example_inputs = example_inputs
         self._placeholders = 0
         self.device = _example_device(example_inputs)
@@ -135,6 +137,8 @@ class _Tracer(fx.Tracer):
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
         p = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         p.node.meta["stack_trace"] = _model_frame()
+        if self.region is not None:
+            p.node.meta["hapc_region"] = self.region
         try:
             p.node.meta["hapc_val"] = self._meta_value(p.node)
         except Exception:  # the authoritative propagation after tracing reports real problems
@@ -338,11 +342,97 @@ def _user_file(filename: str) -> bool:
     return not f.startswith((_TORCH_DIR, _HAPC_DIR)) and "<" not in filename
 
 
+@contextlib.contextmanager
+def checkpoint_regions(enter: Any) -> Any:
+    """While capturing, ``torch.utils.checkpoint.checkpoint(fn, *args)`` (either variant, and so
+    ``checkpoint_sequential`` and Hugging Face's gradient checkpointing) runs ``fn(*args)`` directly
+    inside ``enter(k)``, a context manager marking what is captured meanwhile as region ``k`` (nested
+    calls belong to the outermost). The per-rank program recomputes each region in backward
+    (:mod:`hapc.codegen.regions`). Patched: the two names ``checkpoint`` looks up at call time."""
+    import torch.utils.checkpoint as ckpt
+
+    saved = ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator
+    count = iter(range(1 << 30))
+    depth = [0]
+
+    @contextlib.contextmanager
+    def region() -> Any:
+        depth[0] += 1
+        try:
+            if depth[0] == 1:
+                with enter(next(count)):
+                    yield
+            else:
+                yield
+        finally:
+            depth[0] -= 1
+
+    class Reentrant:
+        @staticmethod
+        def apply(function: Any, preserve: Any, *args: Any) -> Any:
+            with region():
+                out = function(*args)
+            if any(_needs_grad(a) for a in args):
+                return out
+            # torch's reentrant variant: no input requires grad, so no gradient flows into the region
+            # (its parameters get none -- torch warns, and so does the single-device run)
+            warnings.warn(
+                "torch.utils.checkpoint (use_reentrant=True): none of the inputs requires grad, so the "
+                "parameters inside get no gradient (as torch does on one device); use_reentrant=False avoids this",
+                stacklevel=3,
+            )
+            return torch.utils._pytree.tree_map(
+                lambda t: t.detach() if isinstance(t, (torch.Tensor, fx.Proxy)) else t, out
+            )
+
+    def non_reentrant(function: Any, *rest: Any, **kwargs: Any) -> Any:
+        with region():
+            yield  # `checkpoint` calls the function here, between its two next()
+
+    ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator = Reentrant, non_reentrant
+    try:
+        yield
+    finally:
+        ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator = saved
+
+
+def _needs_grad(a: Any) -> bool:
+    """Whether a traced value requires grad: it depends on a trainable parameter (the capture's meta
+    values carry no autograd state; model inputs never require grad here)."""
+    if not isinstance(a, fx.Proxy):
+        return isinstance(a, torch.Tensor) and a.requires_grad
+    root = a.tracer.root
+    seen, todo = set(), [a.node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "get_attr":
+            t = _raw_attr(root, n.target)
+            if isinstance(t, nn.Parameter) and t.requires_grad:
+                return True
+        if n.op == "call_module" and any(p.requires_grad for p in root.get_submodule(n.target).parameters()):
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
+
+
 def _trace_fx(model: nn.Module, example_inputs: Any, leaf_modules: Sequence[type], registry: Registry,
               loss: str | int | None) -> RefGraph:  # fmt: skip
     tracer = _Tracer(tuple(leaf_modules), registry, example_inputs)
+
+    @contextlib.contextmanager
+    def enter(k: int) -> Any:
+        tracer.region = k
+        try:
+            yield
+        finally:
+            tracer.region = None
+
     try:
-        graph = tracer.trace(model, concrete_args=_none_inputs(model, example_inputs))
+        with checkpoint_regions(enter):
+            graph = tracer.trace(model, concrete_args=_none_inputs(model, example_inputs))
     except Exception as exc:
         raise TraceError(_untraceable_message(model, exc)) from exc
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
@@ -605,8 +695,11 @@ class _Builder:
             self.canonical[name] = first.setdefault(id(t), name)
         self.attr_refs: dict[str, Ref] = {}
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        self.region: int | None = None  # of the fx node being built (torch.utils.checkpoint)
 
     def add(self, **fields: Any) -> Ref:
+        if fields.get("kind") == OP:
+            fields.setdefault("region", self.region)
         node = RefNode(index=len(self.nodes), **fields)
         self.nodes.append(node)
         return Ref(node.index)
@@ -642,6 +735,7 @@ class _Builder:
         input_names = []
         for n in self.gm.graph.nodes:
             v = self.values.get(n)
+            self.region = n.meta.get("hapc_region")
             if capture == "fx" and n.op in ("call_function", "call_method"):
                 self._refuse_writes(n)
             if n.op == "placeholder":
