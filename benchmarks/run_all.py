@@ -40,6 +40,7 @@ SCRIPTS = {
     "schedule_sim": ([], ["--quick"]),
     "planner_speed": ([], []),  # ~10 s at full size; it has no small mode
     "pipeline_peer": ([], ["--quick"]),  # hapc's pipeline runtime vs torch.distributed.pipelining
+    "realworld": ([], ["--quick"]),  # issue 12: HF / torchvision / timm at published sizes, meta device
 }
 
 

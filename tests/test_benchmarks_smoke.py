@@ -36,6 +36,27 @@ def test_benchmark_smoke(script, tmp_path):
     _check_printed(script, proc.stdout, result)
 
 
+def test_realworld_smoke(tmp_path):
+    """Real models (tiny configs) synthesize on hap-testbed:8, each in its own subprocess; a row per model."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "out.json"
+    models = ["gpt2", "tv-resnet"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "realworld.py"), "--quick", "--json", str(out), "--models", *models],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert list(rows) == models
+    assert rows["gpt2"]["status"] == "ok", rows["gpt2"]["status"]
+    assert rows["gpt2"]["hapc_ms"] > 0 and rows["gpt2"]["dpev_ms"] >= rows["gpt2"]["hapc_ms"]
+    for row in rows.values():
+        assert f"| {row['model']} |" in proc.stdout
+
+
 def _check_printed(script: str, stdout: str, result: dict) -> None:
     """What the benchmark prints is the table of its JSON rows (not only a clean exit)."""
     if script == "synth_time.py":
