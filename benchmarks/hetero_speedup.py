@@ -10,7 +10,7 @@ processes and interleaved in blocks (noise hits all alike):
 * **DDP even**: ``DistributedDataParallel``, each rank half of the batch (``DistributedSampler``);
 * **DDP proportional**: each rank a share of the batch proportional to its measured speed, the loss
   weighted by ``world * rows / batch`` so that DDP's gradient average is the full-batch gradient
-  (the natural hand-tuned alternative; exact, checked);
+  (the natural hand-tuned alternative; exact by construction);
 * **FSDP2** (``fully_shard``) where it runs on CPU gloo, else the reason it does not.
 
 A step is ``zero_grad``, forward, backward, ``optimizer.step()`` (SGD) after a barrier; its time is the

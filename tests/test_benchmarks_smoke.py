@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
         "plan_quality.py",
         "uneven_experts.py",
         "pipeline_peer.py",
+        "hetero_speedup.py",
     ],
 )
 def test_benchmark_smoke(script, tmp_path):
@@ -81,6 +82,14 @@ def _check_printed(script: str, stdout: str, result: dict) -> None:
         for row in result["rows"]:
             assert row["hapc_s"] > 0 and row["torch_s"] > 0 and row["slow_hapc_s"] > 0
             assert f"{row['ratio']:.3f}" in stdout and f"{row['slow_ratio']:.3f}" in stdout, row["micro"]
+    elif script == "hetero_speedup.py":
+        if not result["emulated"]:  # no writable cgroup cpu controller on this machine
+            assert "cannot be emulated" in stdout
+            return
+        assert "EMULATED" in stdout
+        for row in result["rows"]:
+            assert row["hapc_s"] > 0 and row["ddp_even_s"] > 0 and row["ddp_prop_s"] > 0
+            assert f"{row['measured_speedup_vs_ddp_even']:.2f}" in stdout, row["model"]
     elif script == "uneven_experts.py":
         assert "Uneven experts" in stdout
         for link in result["links"]:
