@@ -60,6 +60,18 @@ def how() -> str | None:
     return None
 
 
+def require() -> str:
+    """The writable cpu controller, or a :class:`HapcError` naming why a slower rank cannot be emulated."""
+    kind = how()
+    if kind is None:
+        raise HapcError(
+            "emulating a slower rank needs a writable cgroup cpu controller (/sys/fs/cgroup/cpu or cgroup v2 with "
+            "the cpu controller), found none: run as root with the cgroup file system mounted read-write, or run "
+            "the ranks at full speed"
+        )
+    return kind
+
+
 def check_speeds(speeds: list[float], world: int) -> list[float]:
     """Validate ``speeds`` (one per rank, each in (0, 1])."""
     speeds = [float(s) for s in speeds]
@@ -87,13 +99,7 @@ def apply(speed: float, rank: int, world: int, tag: str) -> Emulation:
     os.environ[SPEED_ENV] = f"{speed:g}"
     if speed >= 1:
         return Emulation(speed, core, None)
-    kind = how()
-    if kind is None:
-        raise HapcError(
-            "emulating a slower rank needs a writable cgroup cpu controller (/sys/fs/cgroup/cpu or cgroup v2 with "
-            "the cpu controller), found none: run as root with the cgroup file system mounted read-write, or run "
-            "the ranks at full speed"
-        )
+    kind = require()
     quota = max(1000, int(speed * PERIOD_US))
     if kind == "v1":
         path = os.path.join(_V1, tag)

@@ -113,8 +113,8 @@ def run_distributed(
         from . import emulate
 
         speeds = emulate.check_speeds(list(speeds), world_size)
-        if any(s < 1 for s in speeds) and emulate.how() is None:
-            emulate.apply(min(speeds), 0, 1, "")  # raises, naming the cause, before any process starts
+        if any(s < 1 for s in speeds):
+            emulate.require()  # raises, naming the cause, before any process starts
         tags = [f"hapc-{os.getpid()}-{time.monotonic_ns()}-rank{r}" for r in range(world_size)]
     ctx = mp.get_context("fork")
     queue = ctx.SimpleQueue()
