@@ -8,17 +8,13 @@ from typing import Any
 
 import torch
 
-from ._util import without_gc
-from .balance.loop import balance
 from .cluster import Cluster
 from .errors import HapcError
-from .plan import Plan, PlanStage, program_from_triples
-from .synth.baselines import BASELINES, restrict
-from .synth.cost import CostModel
+from .plan import Plan
+from .planner import KINDS, SYNTH_OPTIONS, THEORY_OPTIONS, choose_plan, synthesize_theory
 from .synth.search import Progress
-from .synth.synthesizer import SynthSpace, shardable_triples
-from .theory.graph import OP
-from .theory.trace import backward_work
+
+__all__ = ["KINDS", "SYNTH_OPTIONS", "THEORY_OPTIONS", "choose_plan", "compile", "synthesize", "synthesize_theory"]
 
 
 def synthesize(
@@ -82,120 +78,6 @@ def synthesize(
     )
 
 
-@without_gc
-def synthesize_theory(
-    theory: Any,
-    cluster: Cluster,
-    *,
-    segments: str = "node",
-    rounds: int = 4,
-    solver: str = "cbc",
-    baseline: str | None = None,
-    ratios: Sequence[float] | None = None,
-    memory: bool = True,
-    progress: Progress | None = None,
-    timings: dict[str, float] | None = None,
-    options: dict[str, Any] | None = None,
-) -> Plan:
-    """:func:`synthesize` for an already derived theory (benchmarks reuse one theory)."""
-    if baseline is not None and baseline not in BASELINES:
-        raise HapcError(f"unknown baseline {baseline!r}; one of {', '.join(BASELINES)}")
-    t0 = time.perf_counter()
-    model = CostModel(cluster)
-    allowed = shardable_triples(theory, model.m)
-    initial = None
-    if baseline is not None:
-        allowed &= restrict(theory, baseline, model.m)
-        initial = model.proportional_ratios() if baseline == "dp-cp" else model.even_ratios()
-    if ratios is not None:
-        initial = _check_ratios(ratios, model)
-    space = SynthSpace(theory, model.m, segments, allowed)
-    t1 = time.perf_counter()
-    best = balance(
-        space,
-        model,
-        rounds=rounds,
-        initial=initial,
-        fixed=baseline is not None or ratios is not None,
-        memory=memory,
-        solver=solver,
-        progress=progress,
-    )
-    t2 = time.perf_counter()
-    ratios = best.ratios
-    stages, comm, comp, grads = [], 0.0, 0.0, 0.0
-    all_costs = []
-    for si, part in enumerate(best.result.parts):
-        costs = [theory.triples[k].cost for k in part]
-        all_costs += costs
-        for st in model.breakdown(costs, ratios).stages:
-            stages.append(PlanStage(si, st.direction, st.comm, st.comp))
-            if st.direction == "gradients":
-                grads += st.comm
-            else:
-                comm += st.comm
-                comp += max(st.comp, default=0.0)
-    mem = model.memory(all_costs, ratios)
-    g = theory.graph
-    total_flops = sum(n.flops + backward_work(n, g.nodes)[0] for n in g if n.kind == OP)
-    plan = Plan(
-        program=program_from_triples(theory, best.result.parts),
-        ratios=list(ratios),
-        device_types=[
-            {"name": t.name, "count": t.count, "flops": t.flops, "memory": t.memory, "inner": t.inner}
-            for t in model.types
-        ],
-        device_ratios=model.device_ratios(ratios),
-        graph_fingerprint=g.fingerprint(),
-        cluster_fingerprint=cluster.fingerprint(),
-        cluster_name=cluster.name,
-        predicted={"time": best.cost, "comm": comm, "comp": comp, "gradients": grads, "memory": list(mem)},
-        stages=stages,
-        options={**(options or {}), "segments": segments, "rounds": rounds, "solver": solver, "memory": memory},
-        baseline=baseline,
-        total_flops=total_flops,
-        peak_flops=sum(t.count * t.flops for t in model.types),
-        rounds=[
-            {
-                "ratios_in": list(r.ratios_in),
-                "search_cost": r.search_cost,
-                "ratios_out": list(r.ratios_out),
-                "cost": r.cost,
-            }
-            for r in best.rounds
-        ],
-        timings={
-            **(timings or {}),
-            "space": t1 - t0,
-            "search": best.seconds_search,
-            "lp": best.seconds_lp,
-            "balance": t2 - t1,
-        },
-        node_names={n.index: n.name for n in g},
-    )
-    plan._theory = theory  # type: ignore[attr-defined]  # kept in memory for codegen, never saved
-    plan._parts = best.result.parts  # type: ignore[attr-defined]
-    return plan
-
-
-def _check_ratios(ratios: Sequence[float], model: CostModel) -> tuple[float, ...]:
-    names = [t.name for t in model.types]
-    if len(ratios) != len(names):
-        raise HapcError(
-            f"ratios has {len(ratios)} entries but the cluster has {len(names)} device groups ({', '.join(names)}); "
-            "give one ratio per group"
-        )
-    if any(not (r > 0) for r in ratios):
-        raise HapcError(f"ratios must be positive, got {list(ratios)}")
-    total = sum(r * c for r, c in zip(ratios, model.counts))
-    if abs(total - 1) > 1e-6:
-        raise HapcError(
-            f"ratios weighted by group sizes {list(model.counts)} sum to {total:.6g}, not 1 "
-            "(each device of a group gets its group's ratio)"
-        )
-    return tuple(float(r) for r in ratios)
-
-
 def compile(
     model: torch.nn.Module,
     cluster: Cluster | str,
@@ -239,9 +121,14 @@ def compile(
             up and raises, so a crashed, hung or absent rank stops every other rank instead of
             holding it for the job's default (torch: 30 min gloo, 10 min NCCL). Default: the
             process group's own timeout.
-        pipeline: pipeline the model over the cluster's device groups (HARP, :mod:`hapc.pipeline`),
-            each stage an SPMD program on its sub-mesh; the default does so when the cluster
-            joins groups by a link slower than its inter-host links. The result is then a
+        pipeline: ``True``: pipeline the model over the cluster's device groups (HARP,
+            :mod:`hapc.pipeline`), each stage an SPMD program on its sub-mesh; ``False``: one SPMD
+            program over all devices (HAP). The default (``None``, no ``plan``) lets the planner
+            price both for the same global batch and take the faster
+            (:func:`hapc.planner.choose_plan`; the kinds priced are in ``module.plan.predicted["kinds"]``
+            or ``module.plan_kinds``); options only the SPMD runtime takes (``group``, ``device``,
+            ``init``, ``leaf_modules``, ``capture``, ``loss``, ``outputs``, keyword inputs, a ``baseline``
+            or ``ratios``) leave the pipeline out. A pipelined result is a
             :class:`~hapc.pipeline.PipelineModule`: train with ``loss = module.train_step(*batch)``
             (forward and backward of ``num_micro`` micro-batches by ``schedule``: ``"h1f1b"``,
             ``"1f1b"`` or ``"eager-1f1b"``), then step the optimizer.
@@ -287,16 +174,14 @@ def compile(
 
     ensure_fresh(model)  # a model an earlier module trained past would start this one from stale weights
     cluster = Cluster.load(cluster) if not isinstance(cluster, Cluster) else cluster
-    if pipeline or (pipeline is None and plan is None and _has_slow_links(cluster)):
-        from .pipeline import compile_pipeline
-
+    if pipeline:
         if group is not None or plan is not None:
             raise HapcError("a pipelined compile runs on the whole job and plans itself: drop group= and plan=")
-        piped = compile_pipeline(
-            model, cluster, example_inputs, num_micro=num_micro, schedule=schedule, timeout=timeout, **options
-        )
-        guard(model, piped)  # the model raises while stale: piped.unwrap() writes the trained weights back
-        return piped
+        return _compile_pipeline(model, cluster, example_inputs, None, num_micro, schedule, timeout, options)
+    blocked = _pipeline_blocked(
+        plan=plan, group=group, device=device, init=init, leaf_modules=tuple(leaf_modules), capture=capture, loss=loss,
+        outputs=outputs,
+    )  # fmt: skip
     if timeout is not None:
         group = _group_with_timeout(group, timeout)
     world = dist.get_world_size(group)
@@ -317,7 +202,14 @@ def compile(
     theory = derive(graph, **theory_opts)
     _verify_user_rules(theory, graph, example_inputs)
     if plan is None:
-        plan = _agree_on_plan(theory, cluster, group, options, theory_opts)
+        kinds = ("spmd",) if pipeline is False else KINDS
+        kind, plan, priced = _agree_on_choice(
+            model, example_inputs, theory, cluster, group, options, theory_opts, kinds, num_micro, blocked
+        )
+        if kind == "pipeline":
+            return _compile_pipeline(
+                model, cluster, example_inputs, plan, num_micro, schedule, timeout, options, priced, seed=seed
+            )
     plan.check(graph=graph, cluster=cluster, world_size=world)
     module = CompiledModule(
         model, theory, plan, group=group, device=device, seed=seed, init=init, loss_sync=loss_sync, outputs=outputs
@@ -436,10 +328,39 @@ def _group_with_timeout(group: Any, seconds: float) -> Any:
     return same_ranks_group(group, seconds)
 
 
-def _has_slow_links(cluster: Cluster) -> bool:
-    """Groups joined by a link slower than the cluster's inter-host links: HARP's setting, where
-    collectives across the link would stall and a pipeline sends one message per micro-batch."""
-    return any(link.bandwidth < cluster.inter_host.bandwidth for _, link in cluster.between)
+def _pipeline_blocked(**given: Any) -> str | None:
+    """Why this compile call cannot run a pipeline (None: it can): options that only the SPMD
+    runtime honours leave the pipeline out of the planner's choice instead of being ignored."""
+    defaults = {"capture": "auto", "outputs": "whole"}  # the others' default is None or empty
+    used = [k for k, v in given.items() if (v != defaults[k] if k in defaults else v is not None and v != ())]
+    if not used:
+        return None
+    return f"{', '.join(k + '=' for k in used)} given: only the SPMD runtime takes {'them' if len(used) > 1 else 'it'}"
+
+
+def _compile_pipeline(
+    model: torch.nn.Module,
+    cluster: Cluster,
+    example_inputs: Any,
+    plan: Any,
+    num_micro: int,
+    schedule: str,
+    timeout: float | None,
+    options: dict[str, Any],
+    kinds: list[dict[str, Any]] | None = None,
+    **extra: Any,
+) -> Any:
+    """:func:`hapc.pipeline.compile_pipeline`, its module guarding ``model`` and recording the kinds priced."""
+    from .codegen.original import guard
+    from .pipeline import compile_pipeline
+
+    piped = compile_pipeline(
+        model, cluster, example_inputs, plan, num_micro=num_micro, schedule=schedule, timeout=timeout,
+        **options, **extra,
+    )  # fmt: skip
+    piped.plan_kinds = kinds or []
+    guard(model, piped)  # the model raises while stale: piped.unwrap() writes the trained weights back
+    return piped
 
 
 #: random ops without a rank-consistent draw (dropout and SDPA's dropout_p have one: hapc.ops.dropout),
@@ -488,17 +409,26 @@ def _refuse_random_ops(graph: Any, world: int) -> None:
         )
 
 
-SYNTH_OPTIONS = ("segments", "rounds", "solver", "memory", "baseline", "ratios")
-THEORY_OPTIONS = ("sfb", "variants", "param_comm", "strict")
-
-
-def _agree_on_plan(
-    theory: Any, cluster: Cluster, group: Any, options: dict[str, Any], theory_opts: dict[str, Any]
-) -> Plan:
-    """Rank 0 synthesizes; everyone receives the same plan as JSON bytes (never pickle)."""
+def _agree_on_choice(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    theory: Any,
+    cluster: Cluster,
+    group: Any,
+    options: dict[str, Any],
+    theory_opts: dict[str, Any],
+    kinds: Sequence[str],
+    num_micro: int,
+    blocked: str | None,
+) -> tuple[str, Any, list[dict[str, Any]]]:
+    """Rank 0 prices the plan kinds (:func:`hapc.planner.choose_plan`) and everyone receives the
+    chosen kind, its plan and the kinds priced as JSON bytes (never pickle). A planning error on rank
+    0 is sent too, and raised on every rank (no rank is left waiting for a plan)."""
     import torch.distributed as dist
 
+    from . import errors
     from ._util import broadcast_json
+    from .pipeline.planner import PipelinePlan
 
     dev = (
         torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
@@ -506,7 +436,18 @@ def _agree_on_plan(
 
     def make() -> dict[str, Any]:
         synth_opts = {k: v for k, v in options.items() if k in SYNTH_OPTIONS}
-        recorded = {**theory_opts, "variants": list(theory_opts["variants"])}
-        return synthesize_theory(theory, cluster, options=recorded, **synth_opts).to_json()
+        try:
+            ch = choose_plan(
+                model, cluster, example_inputs, kinds=kinds, num_micro=num_micro, theory=theory,
+                synth_options=synth_opts, theory_options=theory_opts, pipeline_blocked=blocked,
+            )  # fmt: skip
+        except HapcError as exc:
+            return {"error": str(exc), "type": type(exc).__name__}
+        return {"kind": ch.kind, "plan": ch.plan.to_json(), "kinds": [k.to_json() for k in ch.kinds]}
 
-    return Plan.from_json(broadcast_json(make, group=group, device=dev))
+    data = broadcast_json(make, group=group, device=dev)
+    if "error" in data:
+        cls = getattr(errors, data["type"], HapcError)
+        raise (cls if isinstance(cls, type) and issubclass(cls, HapcError) else HapcError)(data["error"])
+    plan = PipelinePlan.from_json(data["plan"]) if data["kind"] == "pipeline" else Plan.from_json(data["plan"])
+    return data["kind"], plan, data["kinds"]

@@ -2,7 +2,8 @@
 
     hapc rules [--json]                      every op the theory knows and how it may shard
     hapc theory MODEL [--json] [--verify]    the Hoare-triple theory of a model
-    hapc synth MODEL --cluster C [--show-program] [--json PLAN] [--baseline dp-ev|dp-cp|ep|tp] [--emit-code DIR]
+    hapc synth MODEL --cluster C [--kind auto|spmd|pipeline] [--show-program] [--json PLAN]
+               [--baseline dp-ev|dp-cp|ep|tp] [--emit-code DIR]
     torchrun --nproc-per-node N -m hapc.cli profile --out cluster.toml   (or: hapc profile --local N)
     hapc demo [--model M] [--cluster C]      the README's main job: synthesize, train, compare
 
@@ -30,6 +31,8 @@ from .errors import HapcError
 
 #: hapc.synth.baselines.BASELINES, spelled out so that parsing needs no torch (a test keeps them equal)
 BASELINES = ("dp-ev", "dp-cp", "ep", "tp")
+#: hapc.planner.KINDS, likewise
+KINDS = ("spmd", "pipeline")
 
 
 def _console() -> Any:
@@ -201,29 +204,42 @@ def _input_names(model: Any) -> list[str]:
 def cmd_synth(ns: argparse.Namespace) -> int:
     from collections import Counter
 
-    from .api import synthesize
     from .cluster import Cluster
+    from .planner import choose_plan, kinds_table
 
     console = _console()
     cluster = Cluster.load(ns.cluster)
     model, inputs = load_model(ns.model, ns.arg)
-    if ns.pipeline:
+    kind = "pipeline" if ns.pipeline else ns.kind
+    if kind == "pipeline":
         return _synth_pipeline(ns, model, inputs, cluster, console)
 
     def progress(stats, score):
         console.print(f"[dim]  searching: {stats.expanded} expanded, {stats.generated} generated, score {score:.4g}[/]")
 
-    plan = synthesize(
+    choice = choose_plan(
         model,
         cluster,
         inputs,
-        segments=ns.segments,
-        rounds=ns.rounds,
-        solver=ns.solver,
-        baseline=ns.baseline,
-        memory=not ns.no_memory,
+        kinds=("spmd",) if kind == "spmd" else KINDS,
+        num_micro=ns.micro,
+        synth_options={
+            "segments": ns.segments,
+            "rounds": ns.rounds,
+            "solver": ns.solver,
+            "baseline": ns.baseline,
+            "memory": not ns.no_memory,
+        },
         progress=progress,
     )
+    if choice.kind == "pipeline":
+        console.print(kinds_table(choice.kinds))
+        unused = [o for o, v in (("--show-program", ns.show_program), ("--emit-code", ns.emit_code)) if v]
+        if unused:
+            console.print(f"[yellow]{', '.join(unused)}: for SPMD plans (the pipeline's stages are planned when "
+                          "it compiles); pass --kind spmd for one[/]")  # fmt: skip
+        return _synth_pipeline(ns, model, inputs, cluster, console, plan=choice.plan)
+    plan = choice.plan
     if ns.json:
         plan.save(ns.json)
     console.print(f"[bold]{ns.model}[/] on {cluster.describe()}")
@@ -251,6 +267,7 @@ def cmd_synth(ns: argparse.Namespace) -> int:
     console.print(
         "synthesis time: " + ", ".join(f"{k} {v:.3f}s" for k, v in t.items()) + f"; {len(plan.rounds)} Q/B round(s)"
     )
+    console.print(kinds_table(choice.kinds))
     if ns.show_program:
         console.print("\n[bold]program[/] (one instruction per line; a collective opens a stage):")
         for line in plan.describe_program():
@@ -265,15 +282,19 @@ def cmd_synth(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _synth_pipeline(ns: argparse.Namespace, model: Any, inputs: Any, cluster: Any, console: Any) -> int:
-    """``hapc synth --pipeline``: HARP's plan (stage table as in its App. C), the warm-up counts, the
-    schedule grid, the step time by Eq. 12 and by the simulator, and a Chrome trace of the replay."""
+def _synth_pipeline(
+    ns: argparse.Namespace, model: Any, inputs: Any, cluster: Any, console: Any, plan: Any = None
+) -> int:
+    """``hapc synth --pipeline`` (or a pipeline the planner chose): HARP's plan (stage table as in
+    its App. C), the warm-up counts, the schedule grid, the step time by Eq. 12 and by the simulator,
+    and a Chrome trace of the replay."""
     from .pipeline import micro_batches, plan_pipeline
     from .pipeline.schedule import grid, schedule
     from .pipeline.simulate import chrome_trace, compare_policies, policy_table, simulate
 
-    batch = next(x.shape[0] for x in inputs if hasattr(x, "shape") and x.dim())
-    plan = plan_pipeline(model, cluster, micro_batches(inputs, ns.micro, batch)[0], num_micro=ns.micro)
+    if plan is None:
+        batch = next(x.shape[0] for x in inputs if hasattr(x, "shape") and x.dim())
+        plan = plan_pipeline(model, cluster, micro_batches(inputs, ns.micro, batch)[0], num_micro=ns.micro)
     console.print(f"[bold]{ns.model}[/] pipelined on {cluster.describe()}")
     console.print(plan.describe(), markup=False, highlight=False)
     fwd = [s.fwd for s in plan.stages]
@@ -439,8 +460,14 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--solver", default="cbc", choices=["cbc", "highs"], help="LP solver")
     y.add_argument("--no-memory", action="store_true", help="ignore device memory limits")
     y.add_argument("--emit-code", metavar="DIR", help="write DIR/rank{r}.py for every rank and DIR/plan.json")
-    y.add_argument("--pipeline", action="store_true", help="plan a HARP pipeline over the cluster's device groups")
-    y.add_argument("--micro", type=_positive_int, default=8, help="micro-batches per step (with --pipeline)")
+    y.add_argument(
+        "--kind",
+        default="auto",
+        choices=["auto", *KINDS],
+        help="plan kind: auto (default) prices HAP SPMD and a HARP pipeline and takes the faster",
+    )
+    y.add_argument("--pipeline", action="store_true", help="same as --kind pipeline")
+    y.add_argument("--micro", type=_positive_int, default=8, help="micro-batches per step of a pipeline")
     y.add_argument("--trace", default="pipeline_trace.json", help="Chrome trace of the simulated step (--pipeline)")
     y.set_defaults(fn=cmd_synth)
 

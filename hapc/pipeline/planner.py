@@ -82,6 +82,7 @@ class PipelinePlan:
     memory_factor: float = 4.0
     timings: dict[str, float] = field(default_factory=dict)
     search: dict[str, int] = field(default_factory=dict)
+    kinds: list[dict[str, Any]] = field(default_factory=list)  # the plan kinds priced (hapc.planner.choose_plan)
     version: int = VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -140,6 +141,10 @@ class PipelinePlan:
             f"(first micro-batch {split['first_compute']:.4f} s compute + {split['first_comm']:.4f} s links, "
             f"steady {split['steady']:.4f} s), eta {self.eta * 100:.1f}%"
         )
+        if self.kinds:
+            from ..plan import kinds_line
+
+            con.print(kinds_line(self.kinds))
         return con.export_text()
 
 

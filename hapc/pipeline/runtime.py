@@ -648,7 +648,7 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _theory_options(options: dict[str, Any]) -> dict[str, Any]:
-    from ..api import THEORY_OPTIONS
+    from ..planner import THEORY_OPTIONS
 
     out = {k: options[k] for k in THEORY_OPTIONS if k in options}
     if "variants" in out:
@@ -658,7 +658,7 @@ def _theory_options(options: dict[str, Any]) -> dict[str, Any]:
 
 def _agree_on_plans(theories: list[Any], clusters: list[Cluster], options: dict[str, Any], group: Any) -> list[Plan]:
     """Rank 0 synthesizes every stage's SPMD program; all ranks receive the plans as JSON."""
-    from ..api import SYNTH_OPTIONS, synthesize_theory
+    from ..planner import SYNTH_OPTIONS, synthesize_theory
 
     synth = {k: v for k, v in options.items() if k in SYNTH_OPTIONS}
     data = broadcast_json(

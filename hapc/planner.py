@@ -1,0 +1,388 @@
+"""The planner: which kind of plan a model gets on a cluster, chosen by predicted step time.
+
+This layer sits below the façade (:mod:`hapc.api`) and above the two runtimes: the SPMD runtime
+(:mod:`hapc.codegen`) and the pipeline runtime (:mod:`hapc.pipeline.runtime`, which synthesizes its
+stages' SPMD programs with :func:`synthesize_theory` from here). It knows two *plan kinds*:
+
+* ``"spmd"`` -- HAP: one SPMD program over every device of the cluster, with uneven sharding
+  ratios (:func:`synthesize_theory`: A*/DP synthesis alternating with the ratio LP, HAP Eq. 1-2);
+* ``"pipeline"`` -- HARP: stages over sub-meshes of device groups (or of hosts inside a group),
+  each stage an SPMD program on its sub-mesh (:func:`hapc.pipeline.plan_pipeline`, HARP §5).
+
+:func:`choose_plan` prices every kind that applies and picks the least predicted step time.
+
+**Why the two times are comparable.** Both are seconds per training step -- forward, backward and
+gradient synchronisation, the optimizer step excluded in both -- for the *same global batch*
+(``example_inputs``), under the same cost model (:class:`hapc.synth.cost.CostModel`: HAP §3.2's
+stages of ``collective + slowest device's compute``, alpha-beta collectives derived from the
+cluster's links, flops / memory bandwidth / ``op_overhead`` per device type, parameters x 4 for
+weights, gradients and two Adam moments in memory):
+
+* SPMD: :attr:`Plan.time` -- the program over the whole batch, ``Σ_stages (comm + max_j comp_j)``
+  plus the bucketed gradient all-reduce, at the balanced ratios;
+* pipeline: :attr:`PipelinePlan.time` -- HARP Eq. 12, ``Σ_s (t_s + 2 c_s) + (B - 1) t_max`` over
+  ``B = num_micro`` micro-batches of ``batch / B`` rows, where ``t_s = fwd + bwd + sync / B`` is a
+  stage's time per micro-batch from the same CostModel on the stage's sub-mesh (the gradient sync
+  paid once per step) and ``c_s`` the one-way transfer of a micro-batch's boundary activations on
+  the link between the stages.
+
+Known differences, all in the pipeline's disfavour (it can only be predicted slower than it is):
+its stage costs are those of the whole-model program's layers on the sub-mesh (an upper bound of
+the stage's own optimum, :mod:`hapc.pipeline.stagecost`), and a profiled cluster's fitted
+``[collectives]`` (fitted over all of its devices) are dropped on sub-meshes, whose collectives are
+derived from the links instead. Memory is checked by each kind's own model: SPMD's LP with every
+device's share of the batch's activations, the pipeline's DP with its in-flight micro-batches (HARP
+Eq. 18). A kind that cannot run is reported with the reason -- ``"infeasible"`` (no program or no
+pipeline fits the memory, too few layers for the stages) or ``"not applicable"`` (e.g. a pipeline on
+a cluster of virtual hosts, a batch that does not split into ``num_micro`` micro-batches, an option
+only the SPMD runtime supports) -- never a crash, unless no kind is left.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ._util import without_gc
+from .balance.loop import balance
+from .cluster import Cluster
+from .errors import HapcError, InfeasibleError
+from .plan import Plan, PlanStage, program_from_triples
+from .synth.baselines import BASELINES, restrict
+from .synth.cost import CostModel
+from .synth.search import Progress
+from .synth.synthesizer import SynthSpace, shardable_triples
+from .theory.graph import OP
+from .theory.trace import backward_work
+
+#: the plan kinds :func:`choose_plan` knows, in the order it prices (and prefers, on a tie) them
+KINDS = ("spmd", "pipeline")
+#: options of :func:`synthesize_theory` that :func:`hapc.compile` accepts
+SYNTH_OPTIONS = ("segments", "rounds", "solver", "memory", "baseline", "ratios")
+#: options of :func:`hapc.derive` that :func:`hapc.compile` accepts
+THEORY_OPTIONS = ("sfb", "variants", "param_comm", "strict")
+
+
+@without_gc
+def synthesize_theory(
+    theory: Any,
+    cluster: Cluster,
+    *,
+    segments: str = "node",
+    rounds: int = 4,
+    solver: str = "cbc",
+    baseline: str | None = None,
+    ratios: Sequence[float] | None = None,
+    memory: bool = True,
+    progress: Progress | None = None,
+    timings: dict[str, float] | None = None,
+    options: dict[str, Any] | None = None,
+) -> Plan:
+    """:func:`hapc.synthesize` for an already derived theory (benchmarks reuse one theory)."""
+    if baseline is not None and baseline not in BASELINES:
+        raise HapcError(f"unknown baseline {baseline!r}; one of {', '.join(BASELINES)}")
+    t0 = time.perf_counter()
+    model = CostModel(cluster)
+    allowed = shardable_triples(theory, model.m)
+    initial = None
+    if baseline is not None:
+        allowed &= restrict(theory, baseline, model.m)
+        initial = model.proportional_ratios() if baseline == "dp-cp" else model.even_ratios()
+    if ratios is not None:
+        initial = _check_ratios(ratios, model)
+    space = SynthSpace(theory, model.m, segments, allowed)
+    t1 = time.perf_counter()
+    best = balance(
+        space,
+        model,
+        rounds=rounds,
+        initial=initial,
+        fixed=baseline is not None or ratios is not None,
+        memory=memory,
+        solver=solver,
+        progress=progress,
+    )
+    t2 = time.perf_counter()
+    ratios = best.ratios
+    stages, comm, comp, grads = [], 0.0, 0.0, 0.0
+    all_costs = []
+    for si, part in enumerate(best.result.parts):
+        costs = [theory.triples[k].cost for k in part]
+        all_costs += costs
+        for st in model.breakdown(costs, ratios).stages:
+            stages.append(PlanStage(si, st.direction, st.comm, st.comp))
+            if st.direction == "gradients":
+                grads += st.comm
+            else:
+                comm += st.comm
+                comp += max(st.comp, default=0.0)
+    mem = model.memory(all_costs, ratios)
+    g = theory.graph
+    total_flops = sum(n.flops + backward_work(n, g.nodes)[0] for n in g if n.kind == OP)
+    plan = Plan(
+        program=program_from_triples(theory, best.result.parts),
+        ratios=list(ratios),
+        device_types=[
+            {"name": t.name, "count": t.count, "flops": t.flops, "memory": t.memory, "inner": t.inner}
+            for t in model.types
+        ],
+        device_ratios=model.device_ratios(ratios),
+        graph_fingerprint=g.fingerprint(),
+        cluster_fingerprint=cluster.fingerprint(),
+        cluster_name=cluster.name,
+        predicted={"time": best.cost, "comm": comm, "comp": comp, "gradients": grads, "memory": list(mem)},
+        stages=stages,
+        options={**(options or {}), "segments": segments, "rounds": rounds, "solver": solver, "memory": memory},
+        baseline=baseline,
+        total_flops=total_flops,
+        peak_flops=sum(t.count * t.flops for t in model.types),
+        rounds=[
+            {
+                "ratios_in": list(r.ratios_in),
+                "search_cost": r.search_cost,
+                "ratios_out": list(r.ratios_out),
+                "cost": r.cost,
+            }
+            for r in best.rounds
+        ],
+        timings={
+            **(timings or {}),
+            "space": t1 - t0,
+            "search": best.seconds_search,
+            "lp": best.seconds_lp,
+            "balance": t2 - t1,
+        },
+        node_names={n.index: n.name for n in g},
+    )
+    plan._theory = theory  # type: ignore[attr-defined]  # kept in memory for codegen, never saved
+    plan._parts = best.result.parts  # type: ignore[attr-defined]
+    return plan
+
+
+def _check_ratios(ratios: Sequence[float], model: CostModel) -> tuple[float, ...]:
+    names = [t.name for t in model.types]
+    if len(ratios) != len(names):
+        raise HapcError(
+            f"ratios has {len(ratios)} entries but the cluster has {len(names)} device groups ({', '.join(names)}); "
+            "give one ratio per group"
+        )
+    if any(not (r > 0) for r in ratios):
+        raise HapcError(f"ratios must be positive, got {list(ratios)}")
+    total = sum(r * c for r, c in zip(ratios, model.counts))
+    if abs(total - 1) > 1e-6:
+        raise HapcError(
+            f"ratios weighted by group sizes {list(model.counts)} sum to {total:.6g}, not 1 "
+            "(each device of a group gets its group's ratio)"
+        )
+    return tuple(float(r) for r in ratios)
+
+
+# -- plan kinds ---------------------------------------------------------------------------------
+
+
+@dataclass
+class KindEstimate:
+    """One plan kind as :func:`choose_plan` priced it.
+
+    ``status``: ``"chosen"``, ``"feasible"`` (priced, not the least), ``"infeasible"`` (it cannot run
+    on this cluster: memory, too few layers), ``"not applicable"`` (not considered: ``reason`` says
+    why) or ``"overridden"`` (the caller fixed the kind). ``time``: predicted seconds per step for
+    the global batch (``math.inf`` unless priced)."""
+
+    kind: str
+    status: str
+    time: float = math.inf
+    reason: str = ""
+    summary: str = ""  # e.g. "2 stages, 8 micro-batches" / "ratios v100 0.07, p100 0.05"
+    seconds: float = 0.0  # planning time
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["time"] = None if math.isinf(self.time) else self.time
+        return d
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> KindEstimate:
+        return KindEstimate(**{**d, "time": math.inf if d.get("time") is None else float(d["time"])})
+
+    def line(self) -> str:
+        """``spmd: 12.3 ms (chosen) -- summary`` / ``pipeline: infeasible -- reason``."""
+        when = f"{self.time * 1e3:.4g} ms" if math.isfinite(self.time) else "-"
+        tail = self.summary if self.status in ("chosen", "feasible") else self.reason
+        return f"{self.kind}: {when} ({self.status})" + (f" -- {tail}" if tail else "")
+
+
+@dataclass
+class PlanChoice:
+    """What :func:`choose_plan` returns: the chosen kind, its plan (a :class:`~hapc.plan.Plan` or a
+    :class:`~hapc.pipeline.PipelinePlan`) and every kind as priced."""
+
+    kind: str
+    plan: Any
+    kinds: list[KindEstimate] = field(default_factory=list)
+
+    @property
+    def time(self) -> float:
+        return next(k.time for k in self.kinds if k.kind == self.kind)
+
+    def describe(self) -> str:
+        """One line per kind considered, with its predicted step time."""
+        return "plan kinds considered:\n" + "\n".join("  " + k.line() for k in self.kinds)
+
+
+def kinds_table(kinds: Sequence[KindEstimate | dict[str, Any]]) -> Any:
+    """A rich table of the kinds considered (``hapc synth``)."""
+    from rich.table import Table
+
+    tab = Table(title="plan kinds considered (predicted step time for the same global batch)")
+    for col, just in (("kind", "left"), ("predicted ms", "right"), ("status", "left"), ("plan, or why not", "left")):
+        tab.add_column(col, justify=just, overflow="fold")
+    for k in kinds:
+        k = k if isinstance(k, KindEstimate) else KindEstimate.from_json(k)
+        when = f"{k.time * 1e3:.4g}" if math.isfinite(k.time) else "-"
+        tab.add_row(k.kind, when, k.status, k.summary if k.status in ("chosen", "feasible") else k.reason)
+    return tab
+
+
+def pipeline_blocker(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, num_micro: int) -> str | None:
+    """Why the pipeline runtime cannot take this model, cluster and batch (None: it can)."""
+    if cluster.virtual != "gpu":
+        return "pipelines place stages on devices: the cluster describes virtual hosts (virtual = 'host')"
+    if cluster.num_devices < 2:
+        return "one device: nothing to pipeline over"
+    if isinstance(example_inputs, dict):
+        return "the pipeline runtime takes positional inputs (the example inputs are keyword arguments)"
+    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    batch = next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim()), None)
+    if batch is None:
+        return "no input has a batch dimension to split into micro-batches"
+    if batch % num_micro:
+        return f"the batch of {batch} does not split into {num_micro} equal micro-batches (num_micro)"
+    norms = [q for q, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
+    if norms:
+        return f"batch norm {norms[0]!r} in training mode would normalise each micro-batch on its own"
+    return None
+
+
+def choose_plan(
+    model: torch.nn.Module,
+    cluster: Cluster | str,
+    example_inputs: Any,
+    *,
+    kinds: Sequence[str] = KINDS,
+    num_micro: int = 8,
+    theory: Any = None,
+    synth_options: dict[str, Any] | None = None,
+    theory_options: dict[str, Any] | None = None,
+    trace_options: dict[str, Any] | None = None,
+    pipeline_blocked: str | None = None,
+    progress: Progress | None = None,
+) -> PlanChoice:
+    """Price every plan kind in ``kinds`` for ``model`` on ``cluster`` and pick the fastest.
+
+    ``example_inputs`` is the global batch (the pipeline splits it into ``num_micro``
+    micro-batches). ``theory``: the SPMD theory of that batch when already derived (else traced with
+    ``trace_options`` and derived with ``theory_options``). ``synth_options`` go to
+    :func:`synthesize_theory`; a ``baseline`` or fixed ``ratios`` are SPMD-only, so they leave the
+    pipeline out. ``pipeline_blocked``: a reason the caller cannot run a pipeline (e.g. a
+    ``group=``). Kinds left out of ``kinds`` are reported as ``"overridden"``. Ties go to SPMD.
+
+    Raises:
+        InfeasibleError: no kind can run; the message gives each kind's reason.
+    """
+    from .theory import derive, trace
+
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise HapcError(f"unknown plan kind(s) {unknown or list(kinds)}; choose from {', '.join(KINDS)}")
+    cluster = Cluster.load(cluster) if not isinstance(cluster, Cluster) else cluster
+    synth_options = dict(synth_options or {})
+    theory_options = {"sfb": True, "variants": ("padded", "grouped"), "param_comm": False, "strict": False,
+                      **(theory_options or {})}  # fmt: skip
+    theory_options["variants"] = tuple(theory_options["variants"])
+    out: list[KindEstimate] = []
+    plans: dict[str, Any] = {}
+    for kind in KINDS:
+        if kind not in kinds:
+            out.append(KindEstimate(kind, "overridden", reason="not requested"))
+            continue
+        t0 = time.perf_counter()
+        if kind == "spmd":
+            timings = {}
+            if theory is None:
+                graph = trace(model, example_inputs, **(trace_options or {}))
+                timings["trace"] = time.perf_counter() - t0
+                theory = derive(graph, **theory_options)
+                timings["derive"] = time.perf_counter() - t0 - timings["trace"]
+            recorded = {**theory_options, "variants": list(theory_options["variants"])}
+            try:
+                plan = synthesize_theory(
+                    theory, cluster, options=recorded, progress=progress, timings=timings, **synth_options
+                )
+            except InfeasibleError as exc:
+                out.append(KindEstimate(kind, "infeasible", reason=str(exc), seconds=time.perf_counter() - t0))
+                continue
+            ratios = ", ".join(f"{t['name']} {r:.3g}" for t, r in zip(plan.device_types, plan.ratios))
+            summary = f"{len(plan.device_ratios)} devices, ratios {ratios}"
+            plans[kind] = plan
+            out.append(KindEstimate(kind, "feasible", plan.time, summary=summary, seconds=time.perf_counter() - t0))
+            continue
+        # the pipeline
+        spmd_only = [k for k in ("baseline", "ratios") if synth_options.get(k) is not None]
+        blocker = (
+            pipeline_blocked
+            or (f"SPMD-only option(s) given: {', '.join(spmd_only)}" if spmd_only else None)
+            or pipeline_blocker(model, cluster, example_inputs, num_micro)
+        )
+        if blocker is not None:
+            out.append(KindEstimate(kind, "not applicable", reason=blocker))
+            continue
+        from .pipeline.planner import plan_pipeline
+        from .pipeline.runtime import micro_batches
+
+        inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+        batch = next(x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim())
+        micro = micro_batches(inputs, num_micro, batch)[0]
+        try:
+            th = derive(trace(model, micro), **theory_options)  # as the pipeline runtime traces its stages
+            pplan = plan_pipeline(model, cluster, micro, num_micro=num_micro, theory=th)
+        except HapcError as exc:  # PlanningError: no pipeline fits (memory, layers, links)
+            out.append(KindEstimate(kind, "infeasible", reason=str(exc), seconds=time.perf_counter() - t0))
+            continue
+        plans[kind] = pplan
+        groups = sorted({s.group for s in pplan.stages})
+        summary = (
+            f"{len(pplan.stages)} stage(s) over {', '.join(groups)}, {num_micro} micro-batches of {batch // num_micro}"
+            f", eta {pplan.eta:.0%}"
+        )
+        out.append(KindEstimate(kind, "feasible", pplan.time, summary=summary, seconds=time.perf_counter() - t0))
+    priced = [k for k in out if k.status == "feasible"]
+    if not priced:
+        why = "; ".join(f"{k.kind}: {k.status}: {k.reason}" for k in out)
+        raise InfeasibleError(f"no plan kind can run {cluster.name!r}: {why}")
+    best = min(priced, key=lambda k: k.time)  # the first (SPMD) on a tie
+    best.status = "chosen"
+    chosen = plans[best.kind]
+    if best.kind == "spmd":
+        chosen.predicted["kinds"] = [k.to_json() for k in out]
+    else:
+        chosen.kinds = [k.to_json() for k in out]
+    return PlanChoice(best.kind, chosen, out)
+
+
+__all__ = [
+    "KINDS",
+    "SYNTH_OPTIONS",
+    "THEORY_OPTIONS",
+    "KindEstimate",
+    "PlanChoice",
+    "choose_plan",
+    "kinds_table",
+    "pipeline_blocker",
+    "synthesize_theory",
+]

@@ -1,0 +1,216 @@
+"""Plan-kind selection (issue 14, first bullet): HAP SPMD or a HARP pipeline, by predicted step time.
+
+The planner (:mod:`hapc.planner`) prices each kind for the same global batch and takes the least;
+``pipeline=True/False`` (``hapc synth --kind``) override it; kinds that cannot run are reported, not
+raised; the pipeline runtime plans its stages through the planner, not the façade (no import cycle).
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hapc
+from hapc.cli import main
+from hapc.cluster import Cluster
+from hapc.errors import InfeasibleError
+from hapc.pipeline import PipelinePlan
+from hapc.plan import Plan
+from hapc.planner import KINDS, choose_plan
+from hapc.testing import run_distributed
+from models import load
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def groups(between: str = "100 MB/s", memory: str = "8 GiB", per_group: int = 2) -> Cluster:
+    """Two groups (20 and 10 TFLOP/s) with fast links inside and ``between`` across: HARP's setting
+    in miniature when ``between`` is slow."""
+    link = {"bandwidth": "10 GB/s", "latency": "20 us"}
+    names = ("fast", "slow")
+    return Cluster.from_dict(
+        {
+            "name": f"two-groups-{between.replace(' ', '')}",
+            "group": [
+                {"name": g, "devices": per_group, "devices_per_host": per_group, "flops": f, "memory": memory}
+                for g, f in zip(names, ("20 TFLOPS", "10 TFLOPS"))
+            ],
+            "links": {
+                "intra_host": link,
+                "inter_host": link,
+                "between": [{"groups": list(p), "bandwidth": between, "latency": "100 us"} for p in [names]],
+            },
+        }
+    )
+
+
+def _times(choice) -> dict[str, float]:
+    return {k.kind: k.time for k in choice.kinds}
+
+
+def _check_argmin(choice) -> None:
+    times = _times(choice)
+    assert choice.kind == min(KINDS, key=lambda k: times[k])  # ties go to SPMD (the first)
+    assert [k.status for k in choice.kinds].count("chosen") == 1
+    assert choice.time == times[choice.kind] and math.isfinite(choice.time)
+
+
+@pytest.mark.parametrize(
+    ("between", "want"),
+    [("100 MB/s", "pipeline"), ("10 GB/s", "spmd")],
+)
+def test_the_cheaper_kind_is_chosen(between, want):
+    """The same model and devices: across a slow link the pipeline (one activation transfer per
+    micro-batch) beats SPMD (collectives and the gradient all-reduce cross it); across a fast one
+    SPMD wins. Both are priced (finite) each time, and the choice is their argmin."""
+    model, inputs = load("gpt", batch=8)
+    choice = choose_plan(model, groups(between), inputs)
+    times = _times(choice)
+    assert all(math.isfinite(t) for t in times.values()), choice.describe()
+    _check_argmin(choice)
+    assert choice.kind == want, choice.describe()
+    assert isinstance(choice.plan, PipelinePlan if want == "pipeline" else Plan)
+    # the plan itself records what was considered (its printout says so)
+    recorded = choice.plan.kinds if want == "pipeline" else choice.plan.predicted["kinds"]
+    assert {k["kind"]: k["time"] for k in recorded} == pytest.approx(times)
+    text = choice.plan.describe() if want == "pipeline" else str(choice.plan)
+    assert "plan kinds (predicted step time): spmd" in text and "pipeline" in text and "(chosen)" in text
+
+
+def test_the_two_predictions_are_for_the_same_batch():
+    """The pipeline's Eq. 12 time is for ``num_micro`` micro-batches of ``batch / num_micro`` rows:
+    twice the batch (and micro-batch) costs more than the link latencies alone (which stay), as
+    SPMD's time grows with the batch too -- neither is priced per micro-batch or per sample."""
+    model, small = load("mlp", batch=8)
+    _, big = load("mlp", batch=16)
+    t1, t2 = (_times(choose_plan(model, groups("1 MB/s"), x)) for x in (small, big))
+    assert 1.4 < t2["pipeline"] / t1["pipeline"] < 2.1, (t1, t2)
+    assert 1.4 < t2["spmd"] / t1["spmd"] < 2.1, (t1, t2)
+
+
+def test_an_infeasible_kind_is_reported_not_raised():
+    """Devices too small for SPMD's replicated weights and whole-batch activations, but not for
+    a pipeline's stages: SPMD is reported infeasible (with the memory shortfall), the pipeline runs."""
+    model, inputs = load("gpt", batch=8)
+    choice = choose_plan(model, groups("10 GB/s", memory="400 KiB"), inputs)
+    spmd, pipe = choice.kinds
+    assert spmd.status == "infeasible" and math.isinf(spmd.time) and "memory" in spmd.reason
+    assert choice.kind == "pipeline" and pipe.status == "chosen" and math.isfinite(pipe.time)
+
+
+def test_not_applicable_kinds_and_no_kind_left():
+    model, inputs = load("mlp", batch=6)  # 6 rows do not split into 8 micro-batches
+    choice = choose_plan(model, groups(), inputs)
+    assert choice.kind == "spmd"
+    pipe = choice.kinds[1]
+    assert pipe.status == "not applicable" and "8 equal micro-batches" in pipe.reason and math.isinf(pipe.time)
+    three = choose_plan(model, groups(), inputs, num_micro=3)
+    assert math.isfinite(three.kinds[1].time)
+    _check_argmin(three)
+    # a baseline is an SPMD program: the pipeline is not priced
+    base = choose_plan(model, groups(), inputs, num_micro=3, synth_options={"baseline": "dp-ev"})
+    assert base.kind == "spmd" and base.kinds[1].status == "not applicable" and "baseline" in base.kinds[1].reason
+    # nothing fits anywhere: one error naming every kind's reason
+    with pytest.raises(InfeasibleError, match=r"spmd: infeasible.*pipeline: infeasible"):
+        choose_plan(model, groups(memory="1 KiB"), inputs, num_micro=3)
+    with pytest.raises(hapc.HapcError, match="unknown plan kind"):
+        choose_plan(model, groups(), inputs, kinds=("megatron",))
+
+
+def test_only_the_requested_kinds_are_priced():
+    model, inputs = load("gpt", batch=8)
+    only = choose_plan(model, groups("100 MB/s"), inputs, kinds=("spmd",))
+    assert only.kind == "spmd" and only.kinds[1].status == "overridden" and math.isinf(only.kinds[1].time)
+    forced = choose_plan(model, groups("10 GB/s"), inputs, kinds=("pipeline",))
+    assert forced.kind == "pipeline" and forced.kinds[0].status == "overridden"
+
+
+# -- hapc.compile: the default follows the planner, pipeline=True/False override it -----------------
+
+
+def _compile_kinds(rank, world):
+    torch.set_num_threads(1)
+    out = {}
+    for name, cluster in (("slow", groups("100 MB/s", per_group=1)), ("fast", groups("10 GB/s", per_group=1))):
+        for pipeline in (None, True, False):
+            model, inputs = load("gpt", batch=8, dtype=torch.float64)
+            m = hapc.compile(model, cluster, inputs, pipeline=pipeline)
+            kinds = m.plan_kinds if hasattr(m, "train_step") else m.plan.predicted.get("kinds")
+            out[name, pipeline] = (type(m).__name__, kinds)
+    return out
+
+
+def test_compile_follows_the_planner_and_the_overrides():
+    results = run_distributed(_compile_kinds, 2, timeout=300)
+    assert results[0] == results[1]  # every rank compiled the same kind
+    got = results[0]
+    for name, want in (("slow", "pipeline"), ("fast", "spmd")):
+        module, kinds = got[name, None]
+        assert module == ("PipelineModule" if want == "pipeline" else "CompiledModule"), (name, kinds)
+        times = {k["kind"]: k["time"] for k in kinds}
+        assert min(times, key=times.get) == want and all(t is not None for t in times.values())
+        assert got[name, True][0] == "PipelineModule"
+        module, kinds = got[name, False]
+        assert module == "CompiledModule" and [k["status"] for k in kinds] == ["chosen", "overridden"]
+
+
+# -- the layering: the pipeline runtime plans through hapc.planner, not the façade ------------------
+
+
+def test_the_pipeline_runtime_does_not_import_the_facade():
+    code = (
+        "import sys\n"
+        "import hapc.pipeline.runtime as r\n"
+        "r._theory_options({'sfb': True})\n"  # runs the runtime's lazy planner imports
+        "from hapc.planner import synthesize_theory\n"
+        "print('hapc.api' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split()[-1] == "False", out.stderr
+    # and no module below the façade imports it, lazily or not
+    for path in [ROOT / "hapc" / "planner.py", *(ROOT / "hapc" / "pipeline").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                name = "." * node.level + (node.module or "")
+                assert not name.endswith("api") and name != "hapc.api", f"{path.name} imports {name}"
+
+
+def test_synthesize_theory_is_still_importable_from_the_facade():
+    from hapc import api, planner
+
+    assert api.synthesize_theory is planner.synthesize_theory
+
+
+# -- hapc synth ---------------------------------------------------------------------------------------
+
+
+def test_cli_kinds_match_the_planner():
+    from hapc.cli import KINDS as CLI_KINDS
+
+    assert CLI_KINDS == KINDS
+
+
+def test_synth_lists_the_kinds_considered(capsys, tmp_path):
+    assert main(["synth", "gpt", "--cluster", "local-cpu:3", "--arg", "batch=8"]) == 0
+    out = capsys.readouterr().out
+    assert "plan kinds considered" in out
+    rows = {
+        line.split()[1]: line for line in out.splitlines() if line.startswith("│ spmd") or line.startswith("│ pipeline")
+    }
+    assert set(rows) == {"spmd", "pipeline"} and "chosen" in rows["spmd"] and "feasible" in rows["pipeline"]
+    assert main(["synth", "gpt", "--cluster", "local-cpu:3", "--arg", "batch=8", "--kind", "spmd"]) == 0
+    assert "overridden" in capsys.readouterr().out
+    # a cluster where the pipeline wins: the stage table follows the kinds
+    path = tmp_path / "slow.toml"
+    path.write_text(groups("100 MB/s").to_toml())
+    trace = tmp_path / "trace.json"
+    assert main(["synth", "gpt", "--cluster", str(path), "--arg", "batch=8", "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "plan kinds considered" in out and "pipelined on" in out and "Eq. 12 step time" in out
+    assert out.index("plan kinds considered") < out.index("pipelined on")
