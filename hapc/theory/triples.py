@@ -297,15 +297,9 @@ class _Builder:
 
     def no_rule(self, n: RefNode) -> None:
         target = n.target if not n.is_method else f"torch.Tensor.{n.target}"
-        tname = _public_name(target)
-        shapes = ", ".join(" ".join(f"d{k}" for k in range(self.g[o].meta.rank)) for o in n.operands)
-        out = " ".join(f"d{k}" for k in range(n.meta.rank))
-        msg = (
-            f"op {n.op!r} (node {n.name}, {n.source}) has no sharding rule, so it will run "
-            f"replicated on every device. Register one, e.g.\n"
-            f'    hapc.register_op({tname}, "{shapes} -> {out}")\n'
-            f"(rename the dims so shared indices share a name; see `hapc rules` and the README)"
-        )
+        shapes = [self.g[o].meta.shape for o in n.operands]
+        msg = f"op {n.op!r} (node {n.name}, {n.source}) has no sharding rule: it runs replicated on every device. "
+        msg += register_advice(target, shapes, n.meta.shape)
         if self.strict:
             raise UnsupportedOpError(msg)
         if n.op not in self.unsupported:
@@ -565,6 +559,48 @@ def _prune(triples: list[Triple]) -> list[Triple]:
     return [t for k, t in enumerate(triples) if kept[k]]
 
 
+def register_advice(target: Any, operands: Sequence[Sequence[int]], result: Sequence[int]) -> str:
+    """The ``hapc.register_op`` lines the refusal of an op without a rule suggests, right for its
+    tensor operands' shapes: the safe form (every dimension ``^``, never sharded: the op stays
+    replicated, declared), and, where every operand broadcasts to the result, the elementwise form
+    (valid only if the op *is* elementwise, which the shapes cannot tell: the user decides)."""
+    name = _public_name(target)
+
+    def label(j: int, k: int) -> str:  # a0 a1, b0 ... per operand; r0 r1 ... for the result
+        return f"{chr(ord('a') + j)}{k}" if j < 17 else f"x{j}_{k}"
+
+    safe = ", ".join(" ".join(f"{label(j, k)}^" for k in range(len(s))) for j, s in enumerate(operands))
+    safe += " -> " + " ".join(f"r{k}^" for k in range(len(result)))
+    count = f"{len(operands)} tensor operand{'s' if len(operands) != 1 else ''}"
+    seen = ", ".join(str(tuple(s)) for s in operands)
+    text = (
+        f"Declare it with\n"
+        f'    hapc.register_op({name}, "{safe.strip()}")\n'
+        f"which keeps it replicated (every dimension marked ^ is never sharded) and is correct whatever the op "
+        f"computes, for these ranks ({count}: {seen or 'none'} -> {tuple(result)}). "
+    )
+
+    def broadcasts(shape: Sequence[int]) -> bool:
+        return len(shape) <= len(result) and all(
+            a in (1, b) for a, b in zip(reversed(shape), reversed(result))
+        )  # fmt: skip
+
+    if operands and all(broadcasts(s) for s in operands):
+        out = len(result)
+        ew = ", ".join(" ".join(f"d{out - len(s) + k}" for k in range(len(s))) for s in operands)
+        ew += " -> " + " ".join(f"d{k}" for k in range(out))
+        text += (
+            "If it is elementwise (each result element reads only the operand elements at its own "
+            f"position, broadcasting), it may shard on every dimension:\n"
+            f'    hapc.register_op({name}, "{ew.strip()}")\n'
+        )
+    return text + (
+        "To let it shard otherwise, name a dimension the op treats independently (a batch dimension) alike in "
+        "every operand that has it and in the result, without ^; a name missing from the result asserts the "
+        "op sums over it (see `hapc rules` and the README)"
+    )
+
+
 def _public_name(target: Any) -> str:
     """How a user spells ``target``: ``torch.special.erfcx`` rather than its C name ``special_erfcx``."""
     import torch
@@ -572,6 +608,11 @@ def _public_name(target: Any) -> str:
 
     if isinstance(target, str):
         return target
+    if isinstance(target, torch.nn.Module):  # a leaf module: rules are registered for its class
+        cls = type(target)
+        if getattr(torch.nn, cls.__name__, None) is cls:
+            return f"torch.nn.{cls.__name__}"
+        return cls.__qualname__
     for prefix, mod in (
         ("F", torch.nn.functional),
         ("torch.special", torch.special),
