@@ -4,13 +4,15 @@ Wall-clock numbers are not asserted (the machine is shared). Checked: every vari
 positive, finite prediction and measurement; the reported prediction is the cost model's price of
 the program that ran, under the cluster recorded in the result (re-priced here from a fresh plan
 of the same variant); the per-operator overhead reaches that cluster and raises the price by
-exactly ``op_overhead`` x (forward + backward launches); the statistics are scipy's on the rows;
-the report and the plot are written.
+exactly ``op_overhead`` x (forward + backward launches); the statistics are scipy's on the rows,
+Kendall's tau-b over the fixed tie classes; the isolation (a CPU-weighted control group, one core
+per rank) is applied and undone; the report and the plot are written.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -26,11 +28,21 @@ from hapc.cluster import Cluster  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def result():
+def full():
     return fidelity.run(quick=True)
 
 
-def test_quick_run_structure(result):
+@pytest.fixture(scope="module")
+def result(full):
+    """The (only) run of the quick result."""
+    return full["runs"][0]
+
+
+def test_quick_run_structure(full, result):
+    assert len(full["runs"]) == 1 and full["tie"] == fidelity.TIE
+    assert full["met_every_run"] == fidelity.met(result["stats"])
+    if fidelity_measure.emulate.how() is not None:  # the isolation was applied and is recorded
+        assert full["priority"].startswith("cgroup")
     rows = result["rows"]
     assert [r["variant"] for r in rows] == [v.name for v in fidelity_measure.variants(True)]
     assert {r["plan"] for r in rows} >= {"dp", "tp"}
@@ -61,8 +73,69 @@ def test_statistics_are_scipys_on_the_rows(result):
     meas = [r["measured_s"] for r in result["rows"] if r["world"] > 1]
     assert result["stats"] == fidelity.correlations(pred, meas)
     assert result["stats"]["pearson"] == pytest.approx(pearsonr(pred, meas)[0])
-    assert result["stats"]["kendall"] == pytest.approx(kendalltau(pred, meas)[0])
-    assert fidelity.correlations([1.0, 2.0], [1.0, 2.0]) == {"pearson": None, "kendall": None}  # too few points
+    assert result["stats"]["kendall"] == pytest.approx(kendalltau(fidelity.tie_classes(pred), meas)[0])
+    assert result["stats"]["kendall_no_ties"] == pytest.approx(kendalltau(pred, meas)[0])
+    too_few = fidelity.correlations([1.0, 2.0], [1.0, 2.0])
+    assert too_few == {"pearson": None, "kendall": None, "kendall_no_ties": None}
+
+
+def test_ties_are_a_fixed_rule():
+    """Classes start at their smallest member and span less than TIE above it (no chaining), and
+    only the pairs inside a class count as ties."""
+    tol = fidelity.TIE
+    pred = [1.0, 1.0 + 0.8 * tol, 1.0 + 1.2 * tol, 1.0 + 1.9 * tol, 3.0, 0.999]
+    assert fidelity.tie_classes(pred) == [0.999, 0.999, pred[2], pred[2], 3.0, 0.999]
+    # the two closest predictions are measured in the wrong order: a discordant pair without ties,
+    # a tie with them (tau-b), everything else concordant
+    meas = [2.0, 1.0, 3.0, 4.0, 5.0]
+    stats = fidelity.correlations([1.0, 1.0 + tol / 2, 2.0, 3.0, 4.0], meas)
+    assert stats["kendall_no_ties"] == pytest.approx(0.8)
+    assert stats["kendall"] == pytest.approx(9 / math.sqrt(9 * 10))
+    assert fidelity.met({"pearson": 0.99, "kendall": fidelity.GOALS["kendall"]})
+    assert not fidelity.met({"pearson": 0.99, "kendall": None})
+
+
+@pytest.mark.skipif(fidelity_measure.emulate.how() is None, reason="no writable cgroup cpu controller")
+def test_priority_weights_this_process_and_its_children_then_undoes_it():
+    import multiprocessing as mp
+
+    def where() -> str:
+        return next(ln for ln in Path("/proc/self/cgroup").read_text().split("\n") if ln.split(":")[1] in ("cpu", ""))
+
+    before = where()
+    with fidelity_measure.priority() as how:
+        inside = where()
+        assert inside.endswith(f"hapc-fidelity-{os.getpid()}") and how.startswith("cgroup")
+        knob, weight = fidelity_measure.PRIORITY[fidelity_measure.emulate.how()]
+        assert f"{knob} = {weight}" in how
+        ctx = mp.get_context("fork")
+        q = ctx.SimpleQueue()
+        child = ctx.Process(target=lambda: q.put(where()))
+        child.start()
+        child.join()
+        assert q.get() == inside  # a rank forked meanwhile is weighted too
+    assert where() == before
+
+
+def test_pin_gives_each_rank_its_own_core_when_there_are_enough():
+    import multiprocessing as mp
+
+    cores = sorted(os.sched_getaffinity(0))
+    ctx = mp.get_context("fork")
+    q = ctx.SimpleQueue()
+
+    def child(rank: int, world: int) -> None:
+        core = fidelity_measure.pin(rank, world)
+        q.put((core, sorted(os.sched_getaffinity(0))))
+
+    p = ctx.Process(target=child, args=(len(cores) - 1, len(cores)))
+    p.start()
+    p.join()
+    assert q.get() == (cores[-1], [cores[-1]])
+    p = ctx.Process(target=child, args=(0, len(cores) + 1))  # more ranks than cores: not pinned
+    p.start()
+    p.join()
+    assert q.get() == (None, cores)
 
 
 def test_prediction_is_the_price_of_the_program_that_ran(result):
@@ -85,12 +158,13 @@ def test_prediction_is_the_price_of_the_program_that_ran(result):
     assert priced["predicted_s"] - bare == pytest.approx(launches * main.groups[0].op_overhead, rel=1e-6)
 
 
-def test_markdown_and_plot(result, tmp_path):
-    md = fidelity.markdown(result)
+def test_markdown_and_plot(full, result, tmp_path):
+    md = fidelity.markdown(full)
     assert all(f"| {r['variant']} |" in md for r in result["rows"])
     assert all(f"| {name} |" in md for name, _ in fidelity.summary_rows(result))
+    assert "Ties (fixed rule)" in md and f"| 1 | {fidelity._fmt(result['stats']['pearson'])} |" in md
     png = tmp_path / "f.png"
-    fidelity.plot(result, png)
+    fidelity.plot(full, png)
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
