@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InfeasibleError
@@ -54,6 +54,8 @@ class Segment:
     local_needed: dict[int, frozenset] = field(default_factory=dict)  # ... restricted to this segment's tensors
     local_tokens: frozenset = frozenset()
     signature: int = -1  # interned structural signature
+    labels: dict[int, tuple] = field(default_factory=dict)  # ref -> canonical label (see _labels)
+    refs_of: dict[tuple, int] = field(default_factory=dict)  # canonical label -> ref
 
 
 @dataclass
@@ -158,11 +160,19 @@ class SynthSpace:
             if seg.anchors[-1] in cut_after:
                 self.blocks.append([])
         self.blocks = [b for b in self.blocks if b]
-        self.block_signatures = []
+        # a block's labels name every tensor its segments touch; its signature says how each
+        # segment's labels map onto them, so equal signatures mean isomorphic blocks
+        self.block_signatures, self.block_labels, self.block_refs = [], [], []
         for b in self.blocks:
-            base = self.segments[b[0]].anchors[0]
-            key = tuple((self.segments[i].anchors[0] - base, self.segments[i].signature) for i in b)
+            segs = [self.segments[i] for i in b]
+            refs = {r for sg in segs for r in sg.labels}
+            lab = _labels(g, [a for sg in segs for a in sg.anchors], refs)
+            key = tuple(
+                (sg.signature, tuple(sorted((v, lab[r]) for r, v in sg.labels.items()))) for sg in segs
+            )
             self.block_signatures.append(ids.setdefault(("block", key), len(ids)))
+            self.block_labels.append(lab)
+            self.block_refs.append({v: r for r, v in lab.items()})
 
     def _assign(self, anchors: list[int]) -> None:
         th = self.theory
@@ -282,25 +292,60 @@ class SynthSpace:
         return self._state_bits
 
     def _signature(self, s: Segment) -> tuple:
-        """Structure of a segment relative to its first node: equal signatures, equal searches.
+        """Structure of a segment under its canonical labels: equal signatures, equal searches.
         (A hashable value; a segment's triples, costs, and what it must leave behind.)"""
         th = self.theory
-        base = s.anchors[0]
+        refs = {DONE.ref}
+        for k in s.triples:
+            t = th.triples[k]
+            refs |= {p.ref for p in t.pre} | {p.ref for p in t.post} | {i.ref for i in t.instrs}
+            refs |= {r for _, r in t.tokens}
+        refs |= set(s.local_needed) | {r for _, r in s.local_tokens}
+        lab = s.labels = _labels(self.theory.graph, s.anchors, refs)
+        s.refs_of = {v: r for r, v in lab.items()}
         parts = []
         for k in s.triples:
             t = th.triples[k]
             parts.append(
                 (
-                    frozenset((p.ref - base, p.layout) for p in t.pre),
-                    frozenset((p.ref - base, p.layout) for p in t.post),
-                    tuple(replace(i, ref=i.ref - base) for i in t.instrs),
-                    frozenset((a, r - base) for a, r in t.tokens),
+                    frozenset((lab[p.ref], p.layout) for p in t.pre),
+                    frozenset((lab[p.ref], p.layout) for p in t.post),
+                    tuple(_relabel(i, lab) for i in t.instrs),
+                    frozenset((a, lab[r]) for a, r in t.tokens),
                     t.cost,
                 )
             )
-        needed = frozenset((x - base, ls) for x, ls in s.local_needed.items())
-        tokens = frozenset((a, r - base) for a, r in s.local_tokens)
+        needed = frozenset((lab[x], ls) for x, ls in s.local_needed.items())
+        tokens = frozenset((a, lab[r]) for a, r in s.local_tokens)
         return (len(s.anchors), tuple(parts), needed, tokens)
+
+
+def _labels(graph, anchors: Sequence[int], refs: set[int]) -> dict[int, tuple]:
+    """Canonical names for the tensors a segment (or block) touches, independent of where it sits.
+
+    The ``i``-th computed node is ``("a", i)``; an operand of it not yet named is ``("o", i, j)``
+    (``j``: operand position); the loss is ``("done",)``; anything else keeps its index
+    ``("abs", ref)``. Two transformer layers then get equal labels although their nodes, their
+    parameters (placed together at the graph's start by export) and the mask they share sit at
+    unrelated indices. Renaming is a bijection, so a search solved for one segment maps onto every
+    segment with an equal signature.
+    """
+    lab: dict[int, tuple] = {DONE.ref: ("done",)}
+    for i, a in enumerate(anchors):
+        lab[a] = ("a", i)
+    for i, a in enumerate(anchors):
+        for j, o in enumerate(graph[a].operands):
+            lab.setdefault(o, ("o", i, j))
+    for r in refs:
+        lab.setdefault(r, ("abs", r))
+    return lab
+
+
+def _relabel(ins, lab: dict[int, tuple]):
+    """An instruction with its ref replaced by a label (for signatures only)."""
+    return (type(ins).__name__, lab[ins.ref]) + tuple(
+        getattr(ins, f) for f in ins.__slots__ if f != "ref"
+    )
 
 
 def shardable_triples(theory: Theory, m: int) -> set[int]:
@@ -352,13 +397,13 @@ class _Synth:
             return hit
         th, bits = self.th, self.bits
         rep = self.reps.setdefault(seg.signature, seg)
-        base = seg.anchors[0]
-        rel_enter = frozenset((p.ref - base, p.layout) for p in bits.props(enter))
-        rel_tokens = frozenset((a, r - base) for a, r in bits.toks(toks))
+        lab, ref = seg.labels, seg.refs_of
+        rel_enter = frozenset((lab[p.ref], p.layout) for p in bits.props(enter))
+        rel_tokens = frozenset((a, lab[r]) for a, r in bits.toks(toks))
         skey = (seg.signature, rel_enter, rel_tokens)
         if skey not in self.seg_cache:
             self.seg_cache[skey] = _explore(
-                th, rep, rep.anchors[0], rel_enter, rel_tokens, self.time_of, self.model, self.progress, self.stats
+                th, rep, rel_enter, rel_tokens, self.time_of, self.model, self.progress, self.stats
             )
             self.searches += 1
         pos = {t: k for k, t in enumerate(rep.triples)}
@@ -366,10 +411,10 @@ class _Synth:
         for (rel_exit, rel_tok_out), (c, rel_prog) in self.seg_cache[skey].items():
             live = 0
             for r, lay in rel_exit:
-                live |= bits.p(Prop(r + base, lay)) if r != DONE.ref - base else bits.p(DONE)
+                live |= bits.p(Prop(ref[r], lay))
             tk = 0
             for a, r in rel_tok_out:
-                tk |= bits.t((a, r + base))
+                tk |= bits.t((a, ref[r]))
             out.append((live, tk, c, [seg.triples[pos[t]] for t in rel_prog]))
         self.exit_cache[key] = out
         return out
@@ -401,37 +446,49 @@ class _Synth:
         return table
 
     def block_from(self, b: int, state: tuple[int, int]) -> dict:
-        """Exits of a repeated block from one entry state, cached relative to the block start."""
+        """Exits of a repeated block from one entry state, cached under the block's labels.
+
+        Only the part of ``state`` the block touches is searched; the rest passes through (kept
+        when needed after the block), so blocks that differ only in what flows past them share
+        one search."""
         sp, bits = self.space, self.bits
         segs = [sp.segments[i] for i in sp.blocks[b]]
-        base = segs[0].anchors[0]
+        lab, ref = sp.block_labels[b], sp.block_refs[b]
+        touched = toks_touched = 0
+        for sg in segs:
+            touched |= self.masks[sg.index].touched_props
+            toks_touched |= self.masks[sg.index].touched_toks
+        end = self.masks[segs[-1].index]
+        live_in, tok_in = state[0] & touched, state[1] & toks_touched
+        passing = (state[0] & ~touched & end.needed, state[1] & ~toks_touched & end.toks_after)
         rel = (
-            frozenset((p.ref - base, p.layout) for p in bits.props(state[0])),
-            frozenset((a, r - base) for a, r in bits.toks(state[1])),
+            frozenset((lab[p.ref], p.layout) for p in bits.props(live_in)),
+            frozenset((a, lab[r]) for a, r in bits.toks(tok_in)),
         )
         key = (sp.block_signatures[b], rel)
         if key not in self.block_cache:
-            table = self.run_block(b, {state: (0.0, None)})
+            table = self.run_block(b, {(live_in, tok_in): (0.0, None)})
+            here = {sg.index: {t: k for k, t in enumerate(sg.triples)} for sg in segs}
             out = {}
             for (lv, tk), (c, back) in table.items():
                 progs = []
                 while back is not None:
                     back, si, prog, sc = back
-                    progs.append((si - segs[0].index, [sp.segments[si].triples.index(t) for t in prog], sc))
+                    progs.append((si - segs[0].index, [here[si][t] for t in prog], sc))
                 rel_st = (
-                    frozenset((p.ref - base, p.layout) for p in bits.props(lv)),
-                    frozenset((a, r - base) for a, r in bits.toks(tk)),
+                    frozenset((lab[p.ref], p.layout) for p in bits.props(lv)),
+                    frozenset((a, lab[r]) for a, r in bits.toks(tk)),
                 )
                 out[rel_st] = (c, progs[::-1])
             self.block_cache[key] = out
         result = {}
         for (rl, rt), (c, progs) in self.block_cache[key].items():
-            lv = 0
+            lv = passing[0]
             for r, lay in rl:
-                lv |= bits.p(Prop(r + base, lay)) if r != DONE.ref - base else bits.p(DONE)
-            tk = 0
+                lv |= bits.p(Prop(ref[r], lay))
+            tk = passing[1]
             for a, r in rt:
-                tk |= bits.t((a, r + base))
+                tk |= bits.t((a, ref[r]))
             mapped = [(segs[off].index, [segs[off].triples[i] for i in prog], sc) for off, prog, sc in progs]
             result[(lv, tk)] = (c, mapped)
         return result
@@ -495,9 +552,10 @@ def _prune_dominated(states: dict[tuple[int, int], tuple], bits: _Bits) -> None:
                 kept.append((st, c))
 
 
-def _explore(th, rep: Segment, base: int, rel_enter, rel_tokens, time_of, model, progress, stats) -> dict:
-    enter = frozenset(Prop(r + base, lay) for r, lay in rel_enter)
-    tokens = frozenset((a, r + base) for a, r in rel_tokens)
+def _explore(th, rep: Segment, rel_enter, rel_tokens, time_of, model, progress, stats) -> dict:
+    lab, ref = rep.labels, rep.refs_of
+    enter = frozenset(Prop(ref[r], lay) for r, lay in rel_enter)
+    tokens = frozenset((a, ref[r]) for a, r in rel_tokens)
     protected = frozenset(Prop(x, lay) for x, ls in rep.local_needed.items() for lay in ls) | frozenset({DONE})
     trip = list(rep.triples)
     search = SegmentSearch(
@@ -506,8 +564,8 @@ def _explore(th, rep: Segment, base: int, rel_enter, rel_tokens, time_of, model,
 
     def exit_key(live: frozenset[Prop], toks: frozenset) -> tuple:
         return (
-            frozenset((p.ref - base, p.layout) for p in live),
-            frozenset((a, r - base) for a, r in toks if (a, r) in rep.local_tokens),
+            frozenset((lab[p.ref], p.layout) for p in live),
+            frozenset((a, lab[r]) for a, r in toks if (a, r) in rep.local_tokens),
         )
 
     if not rep.local_needed and not rep.local_tokens:
@@ -515,7 +573,7 @@ def _explore(th, rep: Segment, base: int, rel_enter, rel_tokens, time_of, model,
         found = search.run({"done": frozenset({DONE})})
         stats.add(search.stats)
         done = found.get("done")
-        key = (frozenset({(DONE.ref - base, DONE.layout)}), frozenset())
+        key = (frozenset({(lab[DONE.ref], DONE.layout)}), frozenset())
         return {key: (done.cost, done.triples)} if done else {}
     found = search.explore(exit_key)
     stats.add(search.stats)
