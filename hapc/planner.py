@@ -26,16 +26,19 @@ weights, gradients and two Adam moments in memory):
   paid once per step) and ``c_s`` the one-way transfer of a micro-batch's boundary activations on
   the link between the stages.
 
-Known differences, all in the pipeline's disfavour (it can only be predicted slower than it is):
-its stage costs are those of the whole-model program's layers on the sub-mesh (an upper bound of
-the stage's own optimum, :mod:`hapc.pipeline.stagecost`), and a profiled cluster's fitted
-``[collectives]`` (fitted over all of its devices) are dropped on sub-meshes, whose collectives are
-derived from the links instead. Memory is checked by each kind's own model: SPMD's LP with every
-device's share of the batch's activations, the pipeline's DP with its in-flight micro-batches (HARP
-Eq. 18). A kind that cannot run is reported with the reason -- ``"infeasible"`` (no program or no
-pipeline fits the memory, too few layers for the stages) or ``"not applicable"`` (e.g. a pipeline on
-a cluster of virtual hosts, a batch that does not split into ``num_micro`` micro-batches, an option
-only the SPMD runtime supports) -- never a crash, unless no kind is left.
+Known differences. Against the pipeline: its stage costs are those of the whole-model program's
+layers on the sub-mesh (an upper bound of the stage's own optimum, :mod:`hapc.pipeline.stagecost`),
+and a profiled cluster's fitted ``[collectives]`` (fitted over all of its devices) are dropped on
+sub-meshes, whose collectives are derived from the links instead. For SPMD: the bucketed gradient
+all-reduce charges latency per byte (``alpha / bucket_bytes``), so a model smaller than one 25 MB
+bucket pays a fraction of one latency, while every pipeline transfer pays a whole one -- on tiny
+models with slow-latency links SPMD is predicted a little fast. Memory is checked by each kind's
+own model: SPMD's LP with every device's share of the batch's activations, the pipeline's DP with
+its in-flight micro-batches (HARP Eq. 18). A kind that cannot run is reported with the reason:
+``"infeasible"`` (no program or no pipeline fits the memory, too few layers for the stages) or
+``"not applicable"`` (e.g. a pipeline on a cluster of virtual hosts, a batch that does not split
+into ``num_micro`` micro-batches, an option only the SPMD runtime supports) -- never a crash,
+unless no kind is left.
 """
 
 from __future__ import annotations
