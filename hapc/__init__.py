@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     ".api": ("compile", "synthesize"),
     ".cluster": ("Cluster",),
+    ".planner": ("choose_plan",),
     ".codegen.optimizers": ("elementwise_optimizer",),
     ".errors": (
         "ClusterError",
@@ -81,6 +82,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
         UnsupportedOpWarning,
     )
     from .plan import Plan
+    from .planner import choose_plan
     from .theory import (
         DONE,
         PARTIAL,
@@ -165,6 +167,7 @@ __all__ = [
     "UnsupportedOpWarning",
     "__version__",
     "checkpoint",
+    "choose_plan",
     "compile",
     "custom_op",
     "derive",
