@@ -40,6 +40,38 @@ def test_a_slow_rank_runs_in_its_own_throttled_group():
     assert not roots
 
 
+def _threads(rank, world):
+    import time
+
+    import torch.distributed as dist
+
+    dist.new_group()  # a process group started after apply(): its gloo threads inherit pin and quota
+    time.sleep(10 * emulate.WATCH_S)
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        lines = open(f"/proc/self/task/{tid}/cgroup").read().splitlines()
+        group = next(ln.split(":", 2)[2] for ln in lines if "cpu" in ln.split(":")[1].split(","))
+        out[int(tid)] = (group, sorted(os.sched_getaffinity(int(tid))))
+    return os.getpid(), out
+
+
+@needs_cgroup
+def test_only_the_compute_thread_is_throttled_and_pinned():
+    """gloo's threads -- also those of a group made after apply() -- leave the quota and the pin: a
+    throttled communication thread waited for the compute thread's quota (3 ms for a 1 KB all-reduce)."""
+    cores = sorted(os.sched_getaffinity(0))
+    ranks = run_distributed(_threads, 2, speeds=[1.0, 0.5])
+    for main, threads in ranks:
+        others = [v for tid, v in threads.items() if tid != main]
+        assert len(others) >= 4, "gloo's threads of two process groups"
+        assert all(not group.rsplit("/", 1)[-1].startswith("hapc-") for group, _ in others), others
+        assert all(affinity == cores for _, affinity in others), others
+        if len(cores) >= 2:
+            assert len(threads[main][1]) == 1, "the compute thread keeps its core"
+    slow_main, slow = ranks[1]
+    assert slow[slow_main][0].rsplit("/", 1)[-1].startswith("hapc-"), "the compute thread is throttled"
+
+
 def test_speeds_are_checked():
     with pytest.raises(HapcError, match="one per rank"):
         run_distributed(_where, 2, speeds=[1.0])
