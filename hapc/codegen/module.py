@@ -538,6 +538,7 @@ class CompiledModule(nn.Module):
         if self.world > 1 and not self._output_hook:
             for p in params:
                 p.register_post_accumulate_grad_hook(self._on_grad)
+        self._guarded_task = -1  # the last backward pass checked to accumulate (see _partial_grad_guard)
         if self.world > 1:
             for p in params:
                 p.register_hook(self._partial_grad_guard(p))
@@ -545,10 +546,18 @@ class CompiledModule(nn.Module):
     def _partial_grad_guard(self, p: nn.Parameter):
         """A replicated parameter's gradient is this rank's Partial sum until the bucket all-reduce,
         which runs when it is accumulated into ``.grad``. ``torch.autograd.grad(loss, params)`` never
-        accumulates: it would return the Partial sum, different on every rank -- refused instead."""
+        accumulates: it would return the Partial sum, different on every rank -- refused instead.
+
+        Checked once per backward pass (autograd graph task), not per parameter: in one pass either
+        every parameter gradient computed is accumulated (``.backward()``) or none is
+        (``autograd.grad``), so the first hook of the pass answers for all; the rest compare an id."""
         accumulate = p.view_as(p).grad_fn.next_functions[0][0]  # p's AccumulateGrad node
+        task_id = torch._C._current_graph_task_id
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
+            task = task_id()
+            if task == self._guarded_task:
+                return grad
             try:
                 accumulates = torch._C._will_engine_execute_node(accumulate)
             except RuntimeError as exc:  # torch cannot ask about a leaf under autograd.grad, which never accumulates
@@ -563,6 +572,7 @@ class CompiledModule(nn.Module):
                     "gradient (they are summed across ranks when accumulated into .grad): call loss.backward() "
                     "and read p.grad instead (gradients with respect to inputs or activations are fine)"
                 )
+            self._guarded_task = task
             return grad
 
         return hook
