@@ -7,7 +7,11 @@ stages' SPMD programs with :func:`synthesize_theory` from here). It knows two *p
 * ``"spmd"`` -- HAP: one SPMD program over every device of the cluster, with uneven sharding
   ratios (:func:`synthesize_theory`: A*/DP synthesis alternating with the ratio LP, HAP Eq. 1-2);
 * ``"pipeline"`` -- HARP: stages over sub-meshes of device groups (or of hosts inside a group),
-  each stage an SPMD program on its sub-mesh (:func:`hapc.pipeline.plan_pipeline`, HARP §5).
+  each stage an SPMD program on its sub-mesh (:func:`hapc.pipeline.plan_pipeline`, HARP §5); and
+  ``R`` data-parallel replicas of such a pipeline, each on ``1/R`` of the devices with ``1/R`` of
+  the micro-batches, gradients all-reduced across replicas (:mod:`hapc.pipeline.replicas`; priced
+  for every ``R > 1`` dividing ``num_micro`` and every layout that tiles the cluster, each listed
+  as ``pipeline xR (layout)``).
 
 :func:`choose_plan` prices every kind that applies and picks the least predicted step time.
 
@@ -197,12 +201,18 @@ class KindEstimate:
     why) or ``"overridden"`` (the caller fixed the kind). ``time``: predicted seconds per step for
     the global batch (``math.inf`` unless priced)."""
 
-    kind: str
+    kind: str  # "spmd", "pipeline", or "pipeline x2 (strided)" for replicas of a pipeline
     status: str
     time: float = math.inf
     reason: str = ""
     summary: str = ""  # e.g. "2 stages, 8 micro-batches" / "ratios v100 0.07, p100 0.05"
     seconds: float = 0.0  # planning time
+    replicas: int = 1  # data-parallel replicas of a pipeline
+
+    @property
+    def plan_kind(self) -> str:
+        """The kind of plan (``"spmd"`` or ``"pipeline"``) whatever the replica count."""
+        return self.kind.split()[0]
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -225,13 +235,17 @@ class PlanChoice:
     """What :func:`choose_plan` returns: the chosen kind, its plan (a :class:`~hapc.plan.Plan` or a
     :class:`~hapc.pipeline.PipelinePlan`) and every kind as priced."""
 
-    kind: str
+    kind: str  # "spmd" or "pipeline" (a pipeline plan says its replica count: plan.replicas)
     plan: Any
     kinds: list[KindEstimate] = field(default_factory=list)
 
     @property
+    def chosen(self) -> KindEstimate:
+        return next(k for k in self.kinds if k.status == "chosen")
+
+    @property
     def time(self) -> float:
-        return next(k.time for k in self.kinds if k.kind == self.kind)
+        return self.chosen.time
 
     def describe(self) -> str:
         """One line per kind considered, with its predicted step time."""
@@ -285,6 +299,7 @@ def choose_plan(
     trace_options: dict[str, Any] | None = None,
     pipeline_blocked: str | None = None,
     progress: Progress | None = None,
+    replicas: Sequence[int] | None = None,
 ) -> PlanChoice:
     """Price every plan kind in ``kinds`` for ``model`` on ``cluster`` and pick the fastest.
 
@@ -293,7 +308,10 @@ def choose_plan(
     ``trace_options`` and derived with ``theory_options``). ``synth_options`` go to
     :func:`synthesize_theory`; a ``baseline`` or fixed ``ratios`` are SPMD-only, so they leave the
     pipeline out. ``pipeline_blocked``: a reason the caller cannot run a pipeline (e.g. a
-    ``group=``). Kinds left out of ``kinds`` are reported as ``"overridden"``. Ties go to SPMD.
+    ``group=``). Kinds left out of ``kinds`` are reported as ``"overridden"``. Ties go to SPMD,
+    then to fewer replicas. ``replicas``: the data-parallel replica counts of a pipeline to price
+    (default: every ``R > 1`` dividing ``num_micro`` for which a layout tiles the cluster; ``()``:
+    none); each (count, layout) is one more entry ``pipeline xR (layout)``.
 
     Raises:
         InfeasibleError: no kind can run; the message gives each kind's reason.
@@ -346,6 +364,7 @@ def choose_plan(
             out.append(KindEstimate(kind, "not applicable", reason=blocker))
             continue
         from .pipeline.planner import plan_pipeline
+        from .pipeline.replicas import layouts
         from .pipeline.runtime import micro_batches
 
         inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
@@ -353,29 +372,66 @@ def choose_plan(
         micro = micro_batches(inputs, num_micro, batch)[0]
         try:
             th = derive(trace(model, micro), **theory_options)  # as the pipeline runtime traces its stages
-            pplan = plan_pipeline(model, cluster, micro, num_micro=num_micro, theory=th)
-        except HapcError as exc:  # PlanningError: no pipeline fits (memory, layers, links)
+        except HapcError as exc:
             out.append(KindEstimate(kind, "infeasible", reason=str(exc), seconds=time.perf_counter() - t0))
             continue
-        plans[kind] = pplan
-        groups = sorted({s.group for s in pplan.stages})
-        summary = (
-            f"{len(pplan.stages)} stage(s) over {', '.join(groups)}, {num_micro} micro-batches of {batch // num_micro}"
-            f", eta {pplan.eta:.0%}"
-        )
-        out.append(KindEstimate(kind, "feasible", pplan.time, summary=summary, seconds=time.perf_counter() - t0))
+        cache: dict[str, Any] = {}  # stage costs shared by the replica counts
+        counts = [1] + replica_counts(cluster, num_micro, replicas)
+        candidates = [(n, lay) for n in counts for lay in (layouts(cluster, n) if n > 1 else ["blocked"])]
+        for R, layout in candidates:
+            label = kind if R == 1 else f"{kind} x{R} ({layout})"
+            t1 = time.perf_counter()
+            try:
+                pplan = plan_pipeline(
+                    model, cluster, micro, num_micro=num_micro, theory=th, replicas=R, layout=layout, cache=cache
+                )
+            except HapcError as exc:  # PlanningError: no pipeline fits (memory, layers, links)
+                seconds = time.perf_counter() - (t0 if R == 1 else t1)
+                why = str(exc) if R == 1 else f"one replica ({cluster.num_devices // R} devices): {exc}"
+                out.append(KindEstimate(label, "infeasible", reason=why, seconds=seconds, replicas=R))
+                continue
+            plans[label] = pplan
+            groups = sorted({s.group for s in pplan.stages})
+            rows = batch // num_micro
+            summary = (
+                f"{len(pplan.stages)} stage(s) over {', '.join(groups)}, {num_micro} micro-batches of {rows}"
+                f", eta {pplan.eta:.0%}"
+            )
+            if R > 1:
+                devices = cluster.num_devices // R
+                sync = max(s.replica_sync for s in pplan.stages)
+                summary = (
+                    f"{R} replicas x {len(pplan.stages)} stage(s) on {devices} devices over {', '.join(groups)}, "
+                    f"{pplan.num_micro} of {num_micro} micro-batches of {rows} each, all-reduce across replicas "
+                    f"<= {sync * 1e3:.3g} ms per stage, eta {pplan.eta:.0%}"
+                )
+            seconds = time.perf_counter() - (t0 if R == 1 else t1)
+            out.append(KindEstimate(label, "feasible", pplan.time, summary=summary, seconds=seconds, replicas=R))
     priced = [k for k in out if k.status == "feasible"]
     if not priced:
         why = "; ".join(f"{k.kind}: {k.status}: {k.reason}" for k in out)
         raise InfeasibleError(f"no plan kind can run {cluster.name!r}: {why}")
-    best = min(priced, key=lambda k: k.time)  # the first (SPMD) on a tie
+    best = min(priced, key=lambda k: k.time)  # the first (SPMD, then fewer replicas) on a tie
     best.status = "chosen"
     chosen = plans[best.kind]
-    if best.kind == "spmd":
+    if best.plan_kind == "spmd":
         chosen.predicted["kinds"] = [k.to_json() for k in out]
     else:
         chosen.kinds = [k.to_json() for k in out]
-    return PlanChoice(best.kind, chosen, out)
+    return PlanChoice(best.plan_kind, chosen, out)
+
+
+def replica_counts(cluster: Cluster, num_micro: int, replicas: Sequence[int] | None = None) -> list[int]:
+    """Data-parallel replica counts ``R > 1`` of a pipeline worth pricing: ``R`` divides
+    ``num_micro`` (each replica an equal share of the micro-batches) and some layout tiles the
+    cluster into ``R`` equal replicas (:func:`hapc.pipeline.replicas.layouts`)."""
+    from .pipeline.replicas import layouts
+
+    wanted = range(2, cluster.num_devices + 1) if replicas is None else replicas
+    bad = [R for R in wanted if not isinstance(R, int) or R < 1]
+    if bad:
+        raise HapcError(f"replica counts must be positive integers, got {bad}")
+    return sorted({R for R in wanted if R > 1 and num_micro % R == 0 and layouts(cluster, R)})
 
 
 __all__ = [
@@ -387,5 +443,6 @@ __all__ = [
     "choose_plan",
     "kinds_table",
     "pipeline_blocker",
+    "replica_counts",
     "synthesize_theory",
 ]

@@ -6,7 +6,8 @@
 * :mod:`~hapc.pipeline.schedule` -- H-1F1B / 1F1B / Eager-1F1B as per-stage action lists (Eq. 1-2);
 * :mod:`~hapc.pipeline.simulate` -- a discrete-event replay and its Chrome trace;
 * :mod:`~hapc.pipeline.stages` -- cutting the reference graph into stage graphs;
-* :mod:`~hapc.pipeline.runtime` -- running the stages on process sub-groups.
+* :mod:`~hapc.pipeline.runtime` -- running the stages on process sub-groups;
+* :mod:`~hapc.pipeline.replicas` -- data-parallel replicas of a pipeline (layouts, their price).
 
 :func:`compile_pipeline` puts them together under ``torchrun``: rank 0 plans, every rank receives
 the plan as JSON, builds its stage's SPMD program and returns a :class:`PipelineModule`::
@@ -29,6 +30,7 @@ from .._util import broadcast_json
 from ..cluster import Cluster
 from ..errors import HapcError
 from .planner import PipelinePlan, plan_pipeline
+from .replicas import replica_cluster, replica_devices
 from .runtime import PipelineModule, PipelineSpec, micro_batches
 from .schedule import POLICIES, eager_1f1b_warmup, one_f_one_b_warmup
 from .stagecost import sub_cluster
@@ -38,11 +40,26 @@ def spec_from_plan(plan: PipelinePlan, cluster: Cluster, policy: str = "h1f1b") 
     """The runtime's view of a planned pipeline: cuts, ranks, stage clusters, warm-up counts."""
     if policy not in POLICIES:
         raise HapcError(f"unknown schedule {policy!r}; one of {', '.join(POLICIES)}")
+    if plan.cluster_name and plan.cluster_name != cluster.name:
+        raise HapcError(
+            f"the pipeline plan was made for cluster {plan.cluster_name!r}, not {cluster.name!r}; "
+            "plan again for this one"
+        )
+    R = plan.replicas
+    used = R * sum(len(s.devices) for s in plan.stages)
+    if used != cluster.num_devices:
+        raise HapcError(
+            f"the pipeline plan uses {used} devices ({R} replica(s)) but cluster {cluster.name!r} has "
+            f"{cluster.num_devices}; plan again for this cluster"
+        )
+    sub = replica_cluster(cluster, R, plan.layout)  # one replica's devices, numbered group by group
+    where = replica_devices(cluster, R, plan.layout)  # replica-local device -> global rank
     offset, at = {}, 0
-    for g in cluster.groups:
+    for g in sub.groups:
         offset[g.name] = at
         at += g.devices
     S = len(plan.stages)
+    reps = [[[where[r][offset[s.group] + d] for d in s.devices] for s in plan.stages] for r in range(R)]
     warm = {
         "h1f1b": list(plan.warmups),
         "1f1b": one_f_one_b_warmup(S),
@@ -50,10 +67,11 @@ def spec_from_plan(plan: PipelinePlan, cluster: Cluster, policy: str = "h1f1b") 
     }[policy]
     return PipelineSpec(
         cuts=[s.nodes[0] for s in plan.stages[1:]],
-        ranks=[[offset[s.group] + d for d in s.devices] for s in plan.stages],
-        clusters=[sub_cluster(cluster, s.group, len(s.devices)) for s in plan.stages],
+        ranks=reps[0],
+        clusters=[sub_cluster(sub, s.group, len(s.devices)) for s in plan.stages],
         warmups=warm,
-        num_micro=plan.num_micro,
+        num_micro=plan.num_micro * R,
+        replicas=reps if R > 1 else [],
     )
 
 

@@ -39,7 +39,8 @@ from .layers import Layer, build_layers
 from .schedule import HARP_EPSILON
 from .stagecost import StageCoster, submesh_sizes
 
-VERSION = 1
+#: 2: data-parallel replicas (``replicas``, ``layout``, a stage's ``replica_sync``)
+VERSION = 2
 
 
 class PlanningError(HapcError):
@@ -65,6 +66,7 @@ class PipelineStage:
     warmup: int  # H-1F1B warm-up forwards (in-flight micro-batches, capped by num_micro)
     memory: float  # peak bytes per device: mem_param + min(warmup, num_micro) * mem_act
     nodes: tuple[int, int] = (0, 0)  # first and last op node of the stage in the reference graph
+    replica_sync: float = 0.0  # the all-reduce across the replicas of this stage, once per step (in sync)
 
 
 @dataclass
@@ -83,6 +85,10 @@ class PipelinePlan:
     timings: dict[str, float] = field(default_factory=dict)
     search: dict[str, int] = field(default_factory=dict)
     kinds: list[dict[str, Any]] = field(default_factory=list)  # the plan kinds priced (hapc.planner.choose_plan)
+    # data-parallel replicas of this pipeline (hapc.pipeline.replicas): each runs num_micro
+    # micro-batches on one replica's devices (stage devices index that replica's groups)
+    replicas: int = 1
+    layout: str = "blocked"
     version: int = VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -91,7 +97,11 @@ class PipelinePlan:
     @staticmethod
     def from_json(data: dict[str, Any]) -> PipelinePlan:
         if data.get("version") != VERSION:
-            raise HapcError(f"pipeline plan version {data.get('version')!r}, this hapc reads {VERSION}")
+            raise HapcError(
+                f"pipeline plan format version {data.get('version')!r}, but this hapc reads version {VERSION} "
+                "(version 2 added data-parallel replicas); plan again with this hapc (hapc synth --pipeline "
+                "--json PLAN, or hapc.pipeline.plan_pipeline)"
+            )
         d = dict(data)
         d["stages"] = [PipelineStage(**{**s, "nodes": tuple(s["nodes"])}) for s in d["stages"]]
         return PipelinePlan(**d)
@@ -115,7 +125,13 @@ class PipelinePlan:
         from rich.console import Console
         from rich.table import Table
 
-        tab = Table(title=f"pipeline: {len(self.stages)} stages, {self.num_micro} micro-batches")
+        title = f"pipeline: {len(self.stages)} stages, {self.num_micro} micro-batches"
+        if self.replicas > 1:
+            title = (
+                f"{self.replicas} data-parallel replicas ({self.layout}) of a pipeline of {len(self.stages)} stages, "
+                f"{self.num_micro} micro-batches each (sub-mesh: devices of one replica)"
+            )
+        tab = Table(title=title)
         for col in ("stage", "layers", "group", "sub-mesh", "fwd ms", "bwd ms", "t ms", "c ms", "link", "N", "GiB"):
             tab.add_column(col, justify="right")
         for k, s in enumerate(self.stages):
@@ -141,6 +157,12 @@ class PipelinePlan:
             f"(first micro-batch {split['first_compute']:.4f} s compute + {split['first_comm']:.4f} s links, "
             f"steady {split['steady']:.4f} s), eta {self.eta * 100:.1f}%"
         )
+        if self.replicas > 1:
+            sync = ", ".join(f"{s.replica_sync * 1e3:.3g}" for s in self.stages)
+            con.print(
+                f"{self.replicas} replicas ({self.layout}), {self.replicas * self.num_micro} micro-batches per step; "
+                f"all-reduce across replicas per stage (ms, once per step, in t as sync / B): {sync}"
+            )
         if self.kinds:
             from ..plan import kinds_line
 
@@ -308,11 +330,27 @@ def plan_pipeline(
     min_compute: int = 2,
     theory: Any = None,
     layers: Sequence[Layer] | None = None,
+    replicas: int = 1,
+    layout: str = "blocked",
+    cache: dict | None = None,
 ) -> PipelinePlan:
-    """Plan a HARP pipeline of ``model`` over ``cluster`` (``example_inputs``: one micro-batch)."""
-    from ..theory import derive, trace
+    """Plan a HARP pipeline of ``model`` over ``cluster`` (``example_inputs``: one micro-batch).
 
-    cluster = Cluster.load(cluster) if not isinstance(cluster, Cluster) else cluster
+    ``replicas``: ``R`` data-parallel replicas of the pipeline in ``layout``
+    (:mod:`hapc.pipeline.replicas`); ``num_micro`` is then the global batch's micro-batch count,
+    which ``R`` must divide, and the plan's ``num_micro`` each replica's share. ``cache``: a dict
+    shared by calls for the same theory (stage costs computed once)."""
+    from ..theory import derive, trace
+    from .replicas import replica_cluster, sync_seconds_per_byte
+
+    whole = Cluster.load(cluster) if not isinstance(cluster, Cluster) else cluster
+    if replicas > 1 and num_micro % replicas:
+        raise HapcError(
+            f"{replicas} replicas each take an equal share of the {num_micro} micro-batches: choose a replica "
+            "count that divides num_micro"
+        )
+    cluster = replica_cluster(whole, replicas, layout)
+    num_micro //= replicas
     t0 = time.perf_counter()
     if theory is None:
         theory = derive(trace(model, example_inputs))
@@ -320,8 +358,14 @@ def plan_pipeline(
     layers = list(layers) if layers is not None else build_layers(theory.graph, min_compute=min_compute)
     t2 = time.perf_counter()
     names = group_order(cluster, order)
-    coster = StageCoster(theory, layers, cluster, memory_factor=memory_factor)
+    coster = StageCoster(theory, layers, cluster, memory_factor=memory_factor, cache=cache)
     table = cost_table(coster, layers, names)
+    extra = np.zeros_like(table.sync)
+    if replicas > 1:  # the all-reduce across replicas: one more once-per-step sync of each stage
+        for o, opt in enumerate(table.options):
+            per_byte = sync_seconds_per_byte(whole, replicas, layout, names[opt.group], opt.size)
+            extra[o] = table.mem_param[o] / memory_factor * per_byte
+        table.sync = table.sync + extra
     t3 = time.perf_counter()
     by_name = {g.name: g for g in cluster.groups}
     groups = [
@@ -337,8 +381,12 @@ def plan_pipeline(
         epsilon=epsilon,
         layers=layers,
         memory_factor=memory_factor,
-        cluster_name=cluster.name,
+        cluster_name=whole.name,
     )
+    plan.replicas, plan.layout = replicas, layout
+    for s in plan.stages:
+        o = next(k for k, opt in enumerate(table.options) if names[opt.group] == s.group and opt.size == len(s.devices))
+        s.replica_sync = float(extra[o, s.lo : s.hi].sum())
     plan.timings = {"trace+derive": t1 - t0, "layers": t2 - t1, "costing": t3 - t2, **plan.timings}
     plan.search["syntheses"] = coster.syntheses
     return plan

@@ -36,6 +36,15 @@ The loss of micro-batch ``m`` is seeded with its weight in the batch loss
 ``count_m / sum(count)`` for a mean over a data-dependent count (cross-entropy with ignored
 targets, computed from the inputs), ``1`` for a sum.
 
+**Data-parallel replicas** (:mod:`hapc.pipeline.replicas`, ``PipelineSpec.replicas``): ``R``
+copies of the pipeline on disjoint ranks; replica ``r`` runs micro-batches ``r M/R .. (r+1) M/R - 1``
+of the global batch's ``M``, each seeded with its weight in the *global* batch loss, so after the
+schedule every stage sums its gradients across its ``R`` replicas (one flat all-reduce per rank over
+the group of the ranks holding the same device position of the same stage in every replica) and
+holds the single-device gradient; the batch loss is the sum of the replicas' weighted parts (the
+loss all-reduce over the job adds them). Dropout draws continue the micro-batch count across
+replicas (replica ``r`` starts at step ``r M/R``), as one pipeline of ``M`` micro-batches draws them.
+
 A slow link can be *emulated* (``emulate={"bandwidth": bytes_per_s, "latency": s, "between": [(0, 1)]}``,
 by default every link between neighbouring stages): each message across it carries the time it may
 be consumed, ``max(sent, link free) + latency + bytes / bandwidth`` on a clock all local processes
@@ -75,7 +84,10 @@ class PipelineSpec:
     ``cuts``: reference-graph node indices where stages begin (``S - 1`` of them); ``ranks[k]``:
     the global ranks of stage ``k`` (its first is the relay); ``clusters[k]``: those devices as a
     cluster, for the stage's SPMD synthesis; ``warmups[k]``: forwards stage ``k`` launches before
-    its first backward; ``num_micro``: micro-batches per step."""
+    its first backward; ``num_micro``: micro-batches per step of the global batch. ``replicas``:
+    data-parallel replicas of the pipeline, ``replicas[r][k]`` the global ranks of stage ``k`` in
+    replica ``r`` (empty: one replica, ``ranks``; else ``ranks`` is ``replicas[0]``); each replica
+    runs ``num_micro / R`` micro-batches and the warm-up counts are per replica."""
 
     cuts: list[int]
     ranks: list[list[int]]
@@ -83,6 +95,11 @@ class PipelineSpec:
     warmups: list[int]
     num_micro: int
     plans: list[Plan] = field(default_factory=list)
+    replicas: list[list[list[int]]] = field(default_factory=list)
+
+    @property
+    def all_replicas(self) -> list[list[list[int]]]:
+        return self.replicas or [self.ranks]
 
     def check(self, world: int) -> None:
         S = len(self.ranks)
@@ -91,15 +108,26 @@ class PipelineSpec:
                 f"pipeline spec: {len(self.cuts)} cuts, {S} rank lists, {len(self.clusters)} clusters and "
                 f"{len(self.warmups)} warm-up counts; a pipeline of S stages needs S - 1 cuts and S of the others"
             )
-        flat = sorted(r for rs in self.ranks for r in rs)
-        if flat != list(range(world)):
+        reps = self.all_replicas
+        if reps[0] != self.ranks:
+            raise HapcError("pipeline spec: ranks must be the first replica's stage ranks (replicas[0])")
+        if self.num_micro % len(reps):
             raise HapcError(
-                f"pipeline stages use ranks {self.ranks}: every rank 0..{world - 1} of the job must be in "
-                "exactly one stage"
+                f"pipeline spec: {len(reps)} replicas cannot share {self.num_micro} micro-batches equally; "
+                "choose a micro-batch count the replica count divides"
             )
-        for k, (rs, c) in enumerate(zip(self.ranks, self.clusters)):
-            if len(rs) != c.num_devices:
-                raise HapcError(f"stage {k} runs on {len(rs)} ranks but its cluster has {c.num_devices} devices")
+        flat = sorted(r for rep in reps for rs in rep for r in rs)
+        if flat != list(range(world)):
+            where = self.ranks if len(reps) == 1 else reps
+            raise HapcError(
+                f"pipeline stages use ranks {where}: every rank 0..{world - 1} of the job must be in exactly one stage"
+            )
+        for q, rep in enumerate(reps):
+            if len(rep) != S:
+                raise HapcError(f"replica {q} has {len(rep)} stages, replica 0 has {S}: replicas must be identical")
+            for k, (rs, c) in enumerate(zip(rep, self.clusters)):
+                if len(rs) != c.num_devices:
+                    raise HapcError(f"stage {k} runs on {len(rs)} ranks but its cluster has {c.num_devices} devices")
 
 
 def micro_batches(inputs: Sequence[Any], num_micro: int, batch: int) -> list[tuple[Any, ...]]:
@@ -157,6 +185,11 @@ class PipelineModule(nn.Module):
         world, rank = dist.get_world_size(), dist.get_rank()
         spec.check(world)
         self.spec, self.num_micro, self.emulate = spec, spec.num_micro, emulate
+        replicas = spec.all_replicas
+        self.num_replicas = len(replicas)
+        self.replica = next(q for q, rep in enumerate(replicas) if any(rank in rs for rs in rep))
+        mine = replicas[self.replica]  # this replica's ranks per stage
+        self.replica_micro = spec.num_micro // self.num_replicas  # micro-batches this replica runs
         inputs = tuple(example_inputs)
         self.batch = next(x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim())
         micro = micro_batches(inputs, spec.num_micro, self.batch)[0]
@@ -169,14 +202,23 @@ class PipelineModule(nn.Module):
         # with a timeout, the job's messages and broadcasts also go over a group that has it
         limit = timedelta(seconds=timeout) if timeout is not None else None
         self.job = dist.new_group(list(range(world)), timeout=limit) if timeout is not None else None
-        groups = [dist.new_group(rs, timeout=limit) for rs in spec.ranks]
-        self._stage_of = {r: k for k, rs in enumerate(spec.ranks) for r in rs}
+        groups = [[dist.new_group(rs, timeout=limit) for rs in rep] for rep in replicas][self.replica]
+        # the ranks holding one device position of one stage in every replica: their gradients are summed
+        self.replica_group = None
+        for k in range(len(spec.ranks)):
+            for j in range(len(spec.ranks[k]) if self.num_replicas > 1 else 0):
+                peers = [rep[k][j] for rep in replicas]
+                pg = dist.new_group(peers, timeout=limit)
+                if rank in peers:
+                    self.replica_group = pg
+        self._stage_of = {r: k for rep in replicas for k, rs in enumerate(rep) for r in rs}
         self.stage = self._stage_of[rank]
         self.sg: StageGraph = stages[self.stage]
         self._reads, self._names = self.sg.model_inputs, list(self.sg.graph.input_names)  # (once, not per forward)
         self.group = groups[self.stage]
         self.num_stages = len(stages)
-        self.relay = [rs[0] for rs in spec.ranks]  # each stage's first rank (state and loss broadcasts)
+        self.relay = [rs[0] for rs in mine]  # each stage's first rank in this replica (its loss)
+        self.relay0 = [rs[0] for rs in spec.ranks]  # the first replica's: broadcasts of state every rank agrees on
         S = len(spec.ranks)
         theories = [derive(s.graph, **_theory_options(options)) for s in stages]
         if not spec.plans:
@@ -198,12 +240,12 @@ class PipelineModule(nn.Module):
             loss_sync="eager",
         )
         # clip_grad_norm_ over this stage's parameters adds up every stage's gradients (one all-reduce)
-        install_pipeline_norms(self.module, self.job, rank == spec.ranks[self.stage][0])
+        install_pipeline_norms(self.module, self.job, rank == self.relay0[self.stage])  # one replica counts
         self.device = self.module.device
-        self.actions: list[Action] = schedule(spec.warmups, spec.num_micro)[self.stage]
+        self.actions: list[Action] = schedule(spec.warmups, self.replica_micro)[self.stage]
         self._calls = [(a.kind, a.micro) for a in self.actions]
         # how each cut's rows travel (HetAuto §5.2): slices held by senders, rows needed by receivers
-        self.cut = [_Boundary(k, stages, theories, spec) for k in range(S - 1)]
+        self.cut = [_Boundary(k, stages, theories, spec, mine) for k in range(S - 1)]
         self.inbound = self.cut[self.stage - 1] if self.stage > 0 else None
         self.outbound = self.cut[self.stage] if self.stage < S - 1 else None
         self._link_free: dict[int, float] = {}  # per destination: when the emulated link is idle again
@@ -213,7 +255,7 @@ class PipelineModule(nn.Module):
         # ranks are global, the group spans every rank in order
         self._pg = self.job if self.job is not None else dist.distributed_c10d._get_default_group()
         # the warm-up counts as the action lists run them (capped by the micro-batch count)
-        self._warm = [min(w, spec.num_micro) for w in spec.warmups]
+        self._warm = [min(w, self.replica_micro) for w in spec.warmups]
         self._pool: list[torch.Tensor] = []  # activation receive buffers, reused across micro-batches and steps
         # emulated links, as (stage, stage + 1) pairs; all of them unless ``emulate["between"]`` says
         self._slow_links = {tuple(p) for p in (emulate or {}).get("between", zip(range(S), range(1, S)))}
@@ -232,14 +274,37 @@ class PipelineModule(nn.Module):
     def train_step(self, *inputs: Any) -> torch.Tensor:
         if len(inputs) != len(self.input_names):
             raise TypeError(f"train_step takes the model inputs {self.input_names}, got {len(inputs)} values")
-        step = _Step(self, [dict(zip(self.input_names, b)) for b in micro_batches(inputs, self.num_micro, self.batch)])
-        step.weights = self._micro_weights(step.batches)
+        batches = [dict(zip(self.input_names, b)) for b in micro_batches(inputs, self.num_micro, self.batch)]
+        weights = self._micro_weights(batches)  # in the global batch loss
+        lo, hi = self.replica * self.replica_micro, (self.replica + 1) * self.replica_micro
+        step = _Step(self, batches[lo:hi])
+        step.weights = weights[lo:hi]
+        rng = self.module.rng
+        if rng.drops:  # this replica's micro-batches draw as they would in one pipeline of all of them
+            rng.step += lo
         for kind, m in self._calls:
             getattr(step, kind)(m)  # one method per action kind, as fx's Interpreter
         step.release(list(step.sends))  # the sends whose receipt no later message proved
+        if rng.drops:
+            rng.step += self.num_micro - hi
+        if self.num_replicas > 1:
+            self._sum_replicas()
         self.compute_seconds = step.compute
         mark_stage_grads(self.module)
         return self._batch_loss(step.losses, step.weights, inputs)
+
+    def _sum_replicas(self) -> None:
+        """Sum this rank's gradients with the same stage position's in every other replica (one flat
+        all-reduce): each replica's are its micro-batches' shares of the global batch loss."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.replica_group)
+        at = 0
+        for g in grads:
+            g.copy_(flat[at : at + g.numel()].view_as(g))
+            at += g.numel()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, **kwargs: Any) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over this stage's parameters: the total norm of the whole
@@ -250,7 +315,7 @@ class PipelineModule(nn.Module):
         """Each micro-batch's share of the batch loss: ``1/M``, or ``count_m / sum(count)`` for a
         mean over a data-dependent count (only the last stage needs them)."""
         kind, den = self._weighting
-        if kind != "count" or self.stage != self.num_stages - 1:
+        if kind != "count" or self.stage != self.num_stages - 1:  # (the last stage: of every replica's batches)
             return [1.0 if kind == "sum" else 1.0 / self.num_micro] * self.num_micro
         counts = [float(self.sg.graph.evaluate(b, upto=den)[den]) for b in batches]
         empty = [m for m, c in enumerate(counts) if c <= 0]
@@ -356,7 +421,7 @@ class PipelineModule(nn.Module):
             return model
         state: dict[str, dict[str, Any]] = {}
         groups: list[dict[str, Any]] = []
-        for k, relay in enumerate(self.relay):
+        for k, relay in enumerate(self.relay0):
             mine = local["optimizer"] if k == self.stage else None
             # what stage k holds, as JSON (names, shapes, dtypes, plain values), then its tensors
             meta = broadcast_json(lambda m=mine: _describe_optimizer(m), src=relay, group=self.job)
@@ -415,7 +480,7 @@ class PipelineModule(nn.Module):
                     continue
                 t = mine[name] if k == self.stage else torch.empty(meta.shape, dtype=meta.dtype)
                 t = t.to(self.device).contiguous()  # NCCL broadcasts device tensors
-                dist.broadcast(t, src=self.relay[k], group=self.job)
+                dist.broadcast(t, src=self.relay0[k], group=self.job)
                 out[name] = t.cpu()
         for name, t in mine.items():  # no stage's (an unused buffer): every rank holds the same
             out.setdefault(name, t)
@@ -525,7 +590,7 @@ class _Step:
                 if rt.src == me:
                     pm._recv((rt.hi - rt.lo, cut.features), cut.dtype, rt.relay, _GRAD, g.view(-1, cut.features))
             if pm.module.world > 1:
-                dist.broadcast(g, src=pm.spec.ranks[pm.stage][0], group=pm.group)
+                dist.broadcast(g, src=pm.relay[pm.stage], group=pm.group)
         else:
             rows = out.numel() // cut.features
             routes = [rt for rt in cut.routes if rt.src == me]
@@ -547,7 +612,7 @@ class _Step:
         else:
             seed = self.grads.pop(m)
         self.backwards += 1
-        if self.backwards < pm.num_micro:
+        if self.backwards < pm.replica_micro:
             with pm.module.no_sync():  # the stage's replicated gradients are summed once, at the last
                 out.backward(seed)
         else:
@@ -597,7 +662,9 @@ class _Boundary:
     replicated: the first rank all). A receiver needs its own rows when its plan sources every
     incoming activation batch-sharded, all rows otherwise."""
 
-    def __init__(self, k: int, stages: list[StageGraph], theories: list[Any], spec: PipelineSpec):
+    def __init__(
+        self, k: int, stages: list[StageGraph], theories: list[Any], spec: PipelineSpec, ranks: list[list[int]]
+    ):
         send, recv = stages[k], stages[k + 1]
         out = send.graph.loss
         self.dtype = out.meta.dtype
@@ -606,7 +673,7 @@ class _Boundary:
         lay = _output_layout(spec.plans[k], out.index)
         self.replicated = not lay.is_sharded
         sizes = None if self.replicated else theories[k].local_sizes(out.index, 0, spec.plans[k].device_ratios)
-        held = reshard.slices(spec.ranks[k], sizes, self.rows)
+        held = reshard.slices(ranks[k], sizes, self.rows)
         acts = [n for n in recv.graph.inputs if n.name.startswith(ACT_PREFIX)]
         need_sizes = None
         if out.meta.rank == 2:
@@ -615,7 +682,7 @@ class _Boundary:
                 per = [tuple(theories[k + 1].local_sizes(n.index, 0, spec.plans[k + 1].device_ratios)) for n in acts]
                 if len(set(per)) == 1:
                     need_sizes = list(per[0])
-        self.need = reshard.needs(spec.ranks[k + 1], need_sizes, self.rows)
+        self.need = reshard.needs(ranks[k + 1], need_sizes, self.rows)
         self.routes = reshard.routes(held, self.need)
 
 

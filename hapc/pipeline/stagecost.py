@@ -96,16 +96,40 @@ class StageCoster:
     (it depends on nothing else), so a 146-layer GPT-39B is segmented once, not once per size.
     """
 
-    def __init__(self, theory: Theory, layers: Sequence[Layer], cluster: Cluster, *, memory_factor: float = 4.0):
+    def __init__(
+        self,
+        theory: Theory,
+        layers: Sequence[Layer],
+        cluster: Cluster,
+        *,
+        memory_factor: float = 4.0,
+        cache: dict | None = None,
+    ):
+        """``cache``: a dict shared by costers of the same theory, layers and memory factor on
+        clusters that differ only in how devices are cut into groups and hosts (the replicas of
+        :mod:`hapc.pipeline.replicas`): segment spaces and per-sub-mesh costs are computed once."""
         if cluster.virtual != "gpu":
             raise HapcError("pipeline planning needs virtual = 'gpu' clusters (one device per rank)")
         self.theory, self.layers, self.cluster = theory, list(layers), cluster
         self.memory_factor = memory_factor
         self._layer_of: dict[int, int] = {x: layer.index for layer in self.layers for x in layer.nodes}
-        self._spaces: dict[frozenset, SynthSpace] = {}
-        self._costs: dict[tuple[str, int], LayerCosts] = {}
+        shared = cache if cache is not None else {}
+        owner = (id(theory), len(self.layers), memory_factor)
+        if shared.setdefault("owner", owner) != owner:
+            raise HapcError("a stage-cost cache is shared only by costers of one theory, layer list and memory factor")
+        self._spaces: dict[frozenset, SynthSpace] = shared.setdefault("spaces", {})
+        # keyed by the sub-cluster a sub-mesh forms: (group, size, devices per host, links)
+        self._costs: dict[tuple, LayerCosts] = shared.setdefault("costs", {})
+        self._shared = shared
         self.syntheses = 0
-        self._atoms: np.ndarray | None = None
+
+    @property
+    def _atoms(self) -> np.ndarray | None:
+        return self._shared.get("atoms")
+
+    @_atoms.setter
+    def _atoms(self, value: np.ndarray) -> None:
+        self._shared["atoms"] = value
 
     def shardable(self, m: int) -> frozenset[int]:
         """:func:`~hapc.synth.synthesizer.shardable_triples` for ``m`` devices, from one pass that
@@ -134,10 +158,11 @@ class StageCoster:
 
     def layer_costs(self, group: str, size: int) -> LayerCosts:
         """Synthesize the model on ``size`` devices of ``group`` (once) and split it by layer."""
-        key = (group, size)
+        sub = sub_cluster(self.cluster, group, size)
+        key = (group, size, sub.groups[0].devices_per_host, sub.groups[0], sub.intra_host, sub.inter_host)
         if key in self._costs:
             return self._costs[key]
-        model = CostModel(sub_cluster(self.cluster, group, size), memory_factor=self.memory_factor)
+        model = CostModel(sub, memory_factor=self.memory_factor)
         space = self._space(model.m)
         ratios = model.even_ratios()
         result = synthesize_program(space, model, ratios)
