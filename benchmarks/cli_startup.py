@@ -40,9 +40,10 @@ def cases() -> dict[str, list[str]]:
     }
 
 
-def time_once(argv: list[str]) -> tuple[float, int]:
+def time_once(argv: list[str], cwd: str | None = None) -> tuple[float, int]:
+    """Wall seconds and exit status of ``argv`` in a fresh process (output discarded)."""
     t0 = time.perf_counter()
-    rc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+    rc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd).returncode
     return time.perf_counter() - t0, rc
 
 

@@ -33,6 +33,21 @@ from .errors import HapcError
 BASELINES = ("dp-ev", "dp-cp", "ep", "tp")
 #: hapc.planner.KINDS, likewise
 KINDS = ("spmd", "pipeline")
+#: models.ZOO's aliases, likewise: an unknown model is refused before torch is imported
+ZOO_ALIASES = (
+    "bert", "bert-base", "bert-moe", "bert-moe-base", "bert-moe5", "cnn", "cnn-pool", "gpt", "gpt-1.3b", "gpt-13b",
+    "gpt-2.7b", "gpt-39b", "gpt-6.7b", "gpt-small", "mlp", "moe", "transformer", "vgg19", "vit", "vit-24", "vit-hap",
+    "wide-resnet", "wide-resnet-1b", "wide-resnet-2b", "wide-resnet-4b", "wide-resnet-6.8b",
+)  # fmt: skip
+
+
+def check_model_spec(spec: str) -> None:
+    """Refuse a MODEL that is neither a zoo alias nor ``package.module:function`` -- a usage error,
+    answered before torch and the zoo are imported (as ``models.factory`` would answer it)."""
+    if spec not in ZOO_ALIASES and ":" not in spec:
+        raise HapcError(
+            f"unknown model {spec!r}: use a zoo alias ({', '.join(sorted(ZOO_ALIASES))}) or 'package.module:function'"
+        )
 
 
 def _console() -> Any:
@@ -121,6 +136,7 @@ def cmd_rules(ns: argparse.Namespace) -> int:
 
 
 def cmd_theory(ns: argparse.Namespace) -> int:
+    check_model_spec(ns.model)  # before the heavy imports
     import torch
 
     from . import derive, trace
@@ -205,10 +221,12 @@ def cmd_synth(ns: argparse.Namespace) -> int:
     from collections import Counter
 
     from .cluster import Cluster
+
+    check_model_spec(ns.model)  # usage errors -- the model's name, the cluster -- before torch is imported
+    cluster = Cluster.load(ns.cluster)
     from .planner import choose_plan, kinds_table
 
     console = _console()
-    cluster = Cluster.load(ns.cluster)
     model, inputs = load_model(ns.model, ns.arg)
     kind = "pipeline" if ns.pipeline else ns.kind
     if kind == "pipeline":

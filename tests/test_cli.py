@@ -84,6 +84,29 @@ def test_help_and_usage_errors_import_no_torch(argv):
     assert (rc, torch_loaded, zoo_loaded) == ("0" if argv == ["--help"] else "2", "False", "False"), out.stderr
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["synth", "nosuch", "--cluster", "hap-testbed"], "unknown model 'nosuch'"),
+        (["theory", "nosuch"], "unknown model 'nosuch'"),
+        (["synth", "gpt", "--cluster", "nosuch"], "cluster 'nosuch'"),
+    ],
+)
+def test_unknown_model_or_cluster_is_refused_before_torch(argv, message):
+    """A misspelt model or cluster is a usage error: answered without importing torch (issue 15's cold start)."""
+    code = f"import sys\nfrom hapc.cli import main\nrc = main({argv!r})\nprint(rc, 'torch' in sys.modules)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.splitlines()[-1].split() == ["2", "False"], out.stderr
+    assert message in out.stderr
+
+
+def test_cli_zoo_aliases_match_the_zoo():
+    from hapc import models
+    from hapc.cli import ZOO_ALIASES
+
+    assert ZOO_ALIASES == tuple(sorted(models.ZOO))
+
+
 @pytest.mark.parametrize("local", ["0", "-2", "two"])
 def test_profile_local_must_be_positive(local, capsys):
     with pytest.raises(SystemExit) as exc:
