@@ -4,7 +4,12 @@ For VGG19, ViT, BERT-Base and BERT-MoE (HAP Table 1; ``models`` builds them on t
 on ``hap-testbed:N`` (N = 8, 16, 32, 64: 16 V100 first, then P100) this prices, by the stage cost
 model of HAP §3.2 (``t(Q, B) = sum_stages comm_i(B) + max_j comp_ij(B_j)``):
 
-* hapc: the synthesized program with LP-balanced ratios (A*/DP alternating with the LP);
+* hapc: the planner's choice (:func:`hapc.planner.choose_plan`, issue 14): the least predicted step
+  time of the two columns below and of data-parallel replicas of a pipeline (``pipeline xR``, each
+  replica count and layout that tiles the cluster); the cell names the kind;
+* spmd: HAP alone -- the synthesized program with LP-balanced ratios (A*/DP alternating with the LP);
+* pipeline: HARP alone -- stages over sub-meshes of the groups and hosts (HARP DP, 8 micro-batches),
+  each stage an SPMD program on its sub-mesh;
 * DP-EV / DP-CP: data parallelism, even / compute-proportional ratios;
 * TP: Megatron tensor parallelism with even shards (column- then row-parallel linears);
 * EP: GShard expert parallelism (DP elsewhere), experts padded to a multiple of the device count
@@ -20,7 +25,8 @@ ablation (HAP §7.4, Fig. 15) maps HAP's components onto hapc's options:
 * +C      -- plus the communication optimisations of HAP §4.4 (padded *or* grouped collectives,
              sufficient-factor broadcasting): hapc as shipped.
 
-Efficiency = (model flops / cluster peak flops) / predicted time (``Plan.efficiency``).
+Efficiency = (model flops / cluster peak flops) / predicted time (``Plan.efficiency``; the same
+ideal time for a pipeline's time of the same global batch).
 
     python benchmarks/plan_quality.py [--quick] [--json out.json]
 """
@@ -47,7 +53,8 @@ from hapc.synth.baselines import expert_parameters
 
 HERE = Path(__file__).resolve().parent
 SIZES = (8, 16, 32, 64)
-METHODS = ("hapc", "dp-ev", "dp-cp", "tp", "ep")
+METHODS = ("hapc", "spmd", "pipeline", "dp-ev", "dp-cp", "tp", "ep")
+NUM_MICRO = 8  # micro-batches of a pipeline (the global batch is 64 or 32 samples per GPU)
 ABLATION = ("DP-EV", "+Q", "+B", "+C")
 Factory = Callable[..., tuple[torch.nn.Module, Any]]
 
@@ -123,10 +130,46 @@ def padded_ep(factory: Factory, kw: dict[str, Any], m: int, cluster: Cluster) ->
     return out
 
 
+def ideal_seconds(graph: Any, cluster: Cluster) -> float:
+    """Model flops (forward + backward) over the cluster's peak flop/s: the efficiency's numerator."""
+    from hapc.theory.graph import OP
+    from hapc.theory.trace import backward_work
+
+    flops = sum(n.flops + backward_work(n, graph.nodes)[0] for n in graph if n.kind == OP)
+    return flops / sum(t.count * t.flops for t in cluster.device_types())
+
+
+def pipelines(model: torch.nn.Module, inputs: Any, cluster: Cluster, ideal: float) -> tuple[dict, dict]:
+    """The HARP pipeline alone (one replica) and the best pipeline with replicas, as the planner prices them."""
+    t0 = time.perf_counter()
+    try:
+        choice = hapc.choose_plan(model, cluster, inputs, kinds=("pipeline",), num_micro=NUM_MICRO)
+    except HapcError as e:
+        return {"error": _short(e)}, {"error": _short(e)}
+    seconds = time.perf_counter() - t0
+    cells = {}
+    for k in choice.kinds:
+        if k.plan_kind == "pipeline" and math.isfinite(k.time):
+            cells[k.kind] = {"time": k.time, "efficiency": ideal / k.time, "kind": k.kind, "seconds": seconds}
+    plain = next((k for k in choice.kinds if k.kind == "pipeline"), None)
+    alone = cells.get("pipeline") or {"error": _short(Exception(plain.reason)) if plain else "not priced"}
+    best = min(cells.values(), key=lambda c: c["time"]) if cells else alone
+    return alone, best
+
+
 def compare(factory: Factory, kw: dict[str, Any], cluster: Cluster, m: int) -> dict[str, Any]:
-    """hapc and every baseline for one model on one cluster."""
-    price = Pricer(*factory(**kw), cluster)
-    row = {"hapc": price(), "dp-ev": price(baseline="dp-ev"), "dp-cp": price(baseline="dp-cp")}
+    """hapc (the planner's choice), its components and every baseline for one model on one cluster."""
+    model, inputs = factory(**kw)
+    price = Pricer(model, inputs, cluster)
+    ideal = ideal_seconds(price.graph, cluster)
+    row = {"spmd": price()}
+    if "time" in row["spmd"]:
+        row["spmd"]["kind"] = "spmd"
+    row["pipeline"], best_pipe = pipelines(model, inputs, cluster, ideal)
+    row["hapc"] = min(
+        (c for c in (row["spmd"], best_pipe) if "time" in c), key=lambda c: c["time"], default=row["spmd"]
+    )
+    row["dp-ev"], row["dp-cp"] = price(baseline="dp-ev"), price(baseline="dp-cp")
     row["tp"] = price(baseline="tp")
     row["ep"] = padded_ep(factory, kw, m, cluster) if kw.get("experts") else {"error": "no MoE layer"}
     return row
@@ -187,8 +230,10 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 # ---- reporting ---------------------------------------------------------------------------------
-def _ms(cell: dict[str, Any]) -> str:
-    return f"{cell['time'] * 1e3:.1f}" if "time" in cell else "n/a"
+def _ms(cell: dict[str, Any], kind: bool = False) -> str:
+    if "time" not in cell:
+        return "n/a"
+    return f"{cell['time'] * 1e3:.1f}" + (f" ({cell['kind']})" if kind and "kind" in cell else "")
 
 
 def _comparison_table(rows: dict[str, Any], methods: tuple[str, ...]) -> list[str]:
@@ -199,7 +244,7 @@ def _comparison_table(rows: dict[str, Any], methods: tuple[str, ...]) -> list[st
         cells = []
         for meth in methods:
             c = row[meth]
-            cells.append(_ms(c))
+            cells.append(_ms(c, kind=meth == "hapc"))
             if "error" in c and c["error"] != "no MoE layer":
                 notes.setdefault(f"{meth}: {c['error']}", key)
         v = row["verdict"]
@@ -226,7 +271,9 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "Predicted per-iteration time (ms) under one cost model; 16 V100 then P100, 8 per host, 10.4 Gbps "
         "between hosts. TP is pure Megatron tensor parallelism over all GPUs (n/a where a dimension has fewer "
-        "whole units than GPUs); EP pads experts to a multiple of the GPU count.",
+        "whole units than GPUs); EP pads experts to a multiple of the GPU count. hapc is the planner's choice "
+        "(its kind in brackets) among spmd (HAP alone), pipeline (HARP alone, 8 micro-batches) and R data-parallel "
+        "replicas of a pipeline (pipeline xR, blocked: a replica on whole hosts; strided: on a share of every host).",
         "",
         *_comparison_table(result["heterogeneous"], METHODS),
         "",
@@ -265,7 +312,7 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "### Homogeneous subset: 32 P100 (HAP Fig. 14)",
         "",
-        *_comparison_table(result["homogeneous"], ("hapc", "dp-ev", "tp", "ep")),
+        *_comparison_table(result["homogeneous"], ("hapc", "spmd", "pipeline", "dp-ev", "tp", "ep")),
         "",
         "### Ablation (HAP Fig. 15): predicted ms, and throughput relative to DP-EV",
         "",

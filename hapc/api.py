@@ -124,7 +124,8 @@ def compile(
         pipeline: ``True``: pipeline the model over the cluster's device groups (HARP,
             :mod:`hapc.pipeline`), each stage an SPMD program on its sub-mesh; ``False``: one SPMD
             program over all devices (HAP). The default (``None``, no ``plan``) lets the planner
-            price both for the same global batch and take the faster
+            price both -- and data-parallel replicas of the pipeline (``R`` copies on ``1/R`` of the
+            devices each, :mod:`hapc.pipeline.replicas`) -- for the same global batch and take the faster
             (:func:`hapc.planner.choose_plan`; the kinds priced are in ``module.plan.predicted["kinds"]``
             or ``module.plan_kinds``); options only the SPMD runtime takes (``group``, ``device``,
             ``init``, ``leaf_modules``, ``capture``, ``loss``, ``outputs``, keyword inputs, a ``baseline``
