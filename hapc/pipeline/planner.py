@@ -19,6 +19,11 @@ prices every layer on every sub-mesh kind with the SPMD synthesizer
 * **Predicted step time** Eq. 12 ``T = Σ (t_s + 2 c_s) + (B-1) t_max`` and the load balance η of
   Eq. 20, ``1 - Σ_d (td_max - td_d) F_d / (td_max Σ_d F_d)`` over devices ``d`` with ``td`` their
   stage's compute time per micro-batch and ``F`` their peak flop/s.
+* **Hosts inside a group**: sub-meshes are parts of one host or whole hosts, so a group spanning
+  hosts may be cut at a host boundary; that cut's ``c`` is priced on the inter-host link.
+* **Data-parallel replicas** (``replicas=R``, :mod:`hapc.pipeline.replicas`): the DP runs on one
+  replica's devices with ``B = M / R`` micro-batches, the all-reduce across replicas added to each
+  layer's ``sync``; Eq. 12 is then one replica's step, every replica's (they run side by side).
 """
 
 from __future__ import annotations
