@@ -74,7 +74,7 @@ def _single(alias: str, opt: str, targets: torch.Tensor | None = None) -> dict:
             grads = {k: p.grad.clone() for k, p in model.named_parameters()}
             norm = float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
         optimizer.step()
-    return {"losses": losses, "grads": grads, "norm": norm, "state": dict(model.state_dict())}
+    return {"losses": losses, "grads": grads, "norm": norm, "state": hapc.checkpoint.full_state(model, optimizer)}
 
 
 def _train(pm, inputs, opt: str) -> dict:
@@ -87,7 +87,8 @@ def _train(pm, inputs, opt: str) -> dict:
         optimizer.zero_grad()
         losses.append(pm.train_step(*inputs).item())
     optimizer.step()
-    return {"losses": losses, "grads": grads, "norm": norm, "state": pm.full_state_dict()}
+    # the single-device checkpoint (weights and optimizer state), gathered from the first replica's stages
+    return {"losses": losses, "grads": grads, "norm": norm, "state": pm.full_state_dict(optimizer)}
 
 
 def _check(results: list[dict], ref: dict) -> None:
