@@ -16,7 +16,7 @@ from randgraph import branchy_case, random_clusters, random_models, ratios_for
 import hapc
 from hapc.synth.cost import CostModel
 from hapc.synth.exhaustive import exhaustive_min_cost
-from hapc.synth.synthesizer import SynthSpace, program_cost, synthesize_program
+from hapc.synth.synthesizer import BEAM, SynthSpace, program_cost, synthesize_program
 
 SETTINGS = settings(
     max_examples=int(__import__("os").environ.get("HAPC_EXAMPLES", 120)),
@@ -49,9 +49,11 @@ def test_astar_matches_exhaustive_enumeration(data, mi, cluster):
 @SETTINGS
 @given(data=st.data(), mi=random_models(max_ops=3), cluster=random_clusters())
 def test_segment_dp_matches_exhaustive_enumeration(data, mi, cluster):
+    """Also with branch and bound fed a poor upper bound (``beam=1``: one state per table in the
+    first pass), where its lower bounds on the remaining segments decide what is pruned."""
     theory, cm, ratios = _setup(data, mi, cluster)
     space = SynthSpace(theory, cm.m, "node")
-    found = synthesize_program(space, cm, ratios)
+    found = synthesize_program(space, cm, ratios, beam=data.draw(st.sampled_from([0, 1, 2, BEAM])))
     best = exhaustive_min_cost(theory, cm, ratios, space.allowed, additive=True)
     assert math.isclose(found.cost, best, rel_tol=1e-9, abs_tol=1e-15), (found.cost, best)
     assert math.isclose(program_cost(theory, cm, found.parts, ratios), found.cost, rel_tol=1e-9, abs_tol=1e-15)
@@ -76,6 +78,20 @@ def test_astar_matches_exhaustive_on_branchy_graphs(seed):
     space = SynthSpace(theory, cm.m, "none")
     found = synthesize_program(space, cm, ratios)
     best = exhaustive_min_cost(theory, cm, ratios, space.allowed)
+    assert math.isclose(found.cost, best, rel_tol=1e-9, abs_tol=1e-15), (found.cost, best)
+    assert math.isclose(program_cost(theory, cm, found.parts, ratios), found.cost, rel_tol=1e-9, abs_tol=1e-15)
+
+
+@pytest.mark.parametrize("seed", BRANCHY_SEEDS)
+def test_segment_dp_with_branch_and_bound_matches_exhaustive(seed):
+    """The node-segmented DP under branch and bound with the poorest first pass (``beam=1``): what
+    its segment lower bounds and the searches' budgets prune never holds the optimum."""
+    model, inputs, cluster, ratios, variants = branchy_case(seed)
+    theory = hapc.derive(hapc.trace(model, inputs), variants=variants)
+    cm = CostModel(cluster)
+    space = SynthSpace(theory, cm.m, "node")
+    found = synthesize_program(space, cm, ratios, beam=1)
+    best = exhaustive_min_cost(theory, cm, ratios, space.allowed, additive=True)
     assert math.isclose(found.cost, best, rel_tol=1e-9, abs_tol=1e-15), (found.cost, best)
     assert math.isclose(program_cost(theory, cm, found.parts, ratios), found.cost, rel_tol=1e-9, abs_tol=1e-15)
 

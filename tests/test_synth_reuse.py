@@ -14,6 +14,7 @@ from torch import nn
 
 import hapc
 from hapc.cluster import Cluster
+from hapc.synth import synthesizer
 from hapc.synth.cost import CostModel
 from hapc.synth.synthesizer import SynthSpace, program_cost, shardable_triples, synthesize_program
 
@@ -41,7 +42,8 @@ class Net(nn.Module):
         return ((x - y) ** 2).mean()
 
 
-def _synth(layers: int, cluster: str = "local-cpu:3"):
+def _synth(layers: int, cluster: str = "local-cpu:3", beam: int = 0):
+    """``beam=0``: the plain DP (branch and bound's searches depend on the bounds it meets)."""
     torch.manual_seed(0)
     x, y = torch.randn(6, 4, 8), torch.randn(6, 4, 8)
     graph = hapc.trace(Net(layers), (x, y), capture="export")
@@ -49,7 +51,7 @@ def _synth(layers: int, cluster: str = "local-cpu:3"):
     model = CostModel(Cluster.load(cluster))
     space = SynthSpace(theory, model.m, "node", shardable_triples(theory, model.m))
     ratios = model.proportional_ratios()
-    return theory, model, ratios, synthesize_program(space, model, ratios)
+    return theory, model, ratios, synthesize_program(space, model, ratios, beam=beam)
 
 
 def test_params_first_in_export_graph():
@@ -69,3 +71,14 @@ def test_later_layers_reuse_searches_and_the_program_prices_as_claimed():
     # a layer costs the same wherever it sits: each extra layer adds one layer's cost
     costs = [runs[n][3].cost for n in (3, 4, 5)]
     assert abs((costs[2] - costs[1]) - (costs[1] - costs[0])) <= 1e-9 * costs[2]
+
+
+def test_branch_and_bound_finds_the_plain_optimum_with_fewer_searches():
+    """The default synthesis (a beam pass for an upper bound, then the DP pruned by it and by the
+    remaining segments' lower bounds) returns the plain DP's optimum, priced as claimed."""
+    for n in (2, 4):
+        theory, model, ratios, plain = _synth(n)
+        *_, bounded = _synth(n, beam=synthesizer.BEAM)
+        assert abs(bounded.cost - plain.cost) <= 1e-12 * plain.cost
+        assert abs(program_cost(theory, model, bounded.parts, ratios) - bounded.cost) <= 1e-12 * bounded.cost
+        assert bounded.searches <= plain.searches

@@ -36,6 +36,7 @@ dynamic program over segments (``hapc.synth.synthesizer``).
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -135,6 +136,14 @@ class SegmentSearch:
                 m ^= low
         self._heuristic_tables(nodes)
         self.stats = SearchStats()
+        self._alive_memo: dict[tuple[int, int, int], bool] = {}
+        self._reach: dict[int, tuple[int, int]] = {}  # prop bit -> (posts, tokens) of its consumers
+        for low, cs in self.consumers.items():
+            rp = rt = 0
+            for c in cs:
+                rp |= self.post[c]
+                rt |= self.tok[c]
+            self._reach[low] = (rp, rt)
 
     # -- bits ------------------------------------------------------------------------------------
     def _bit(self, p: Prop) -> int:
@@ -219,13 +228,20 @@ class SegmentSearch:
 
     def _drop_dead(self, live: int, ever: int, used: int) -> int:
         m = live & ~self.protected
+        memo, reach = self._alive_memo, self._reach
         while m:
             low = m & -m
             m ^= low
-            for c in self.consumers.get(low, ()):
-                if (self.post[c] & ~ever) and not (self.tok[c] & used):
-                    break
-            else:
+            # whether a consumer of ``low`` can still add something: depends on ``ever`` and
+            # ``used`` only through the bits its consumers produce and take (memoised on those)
+            rp, rt = reach.get(low, (0, 0))
+            key = (low, ever & rp, used & rt)
+            alive = memo.get(key)
+            if alive is None:
+                alive = memo[key] = any(
+                    (self.post[c] & ~ever) and not (self.tok[c] & used) for c in self.consumers.get(low, ())
+                )
+            if not alive:
                 live &= ~low
         return live
 
@@ -348,10 +364,24 @@ class SegmentSearch:
         nodes = self._search(on_state, done)
         return {name: Found(c, self._path(nodes, i)) for name, (c, i) in best.items() if i >= 0}
 
-    def explore(self, exit_key: Callable[[frozenset[Prop], frozenset[tuple]], Hashable]) -> dict[Hashable, Found]:
-        """Every way to finish the segment (all its nodes computed), cheapest per exit state."""
+    def explore(
+        self,
+        exit_key: Callable[[frozenset[Prop], frozenset[tuple]], Hashable],
+        budget: float = math.inf,
+        count: int = 0,
+    ) -> tuple[dict[Hashable, Found], float]:
+        """Every way to finish the segment (all its nodes computed), cheapest per exit state.
+
+        Returns the exits and the cost ``s`` up to which the answer is complete: every exit
+        cheaper than ``s`` is there, at its least cost (``inf`` when the search ran out). The
+        search stops early once the smallest open score exceeds ``budget`` (the caller needs
+        nothing dearer), or, with ``count``, once ``count`` exits are found and none still open
+        can be cheaper than the ``count``-th cheapest. Exits dearer than ``s`` are dropped: a
+        cheaper way to them may still be unexplored (nothing left can end below ``s``).
+        """
         best: dict[Hashable, tuple[float, int]] = {}
         keys: dict[tuple[int, int], Hashable] = {}
+        stop = [math.inf]
 
         def on_state(idx: int, rec: tuple) -> None:
             if self.all_nodes & ~self.covered(rec[0]):
@@ -364,11 +394,23 @@ class SegmentSearch:
             if key not in best or c < best[key][0] - 1e-15:
                 best[key] = (c, idx)
 
-        nodes = self._search(on_state, lambda score: False)
-        return {
-            key: Found(c, self._path(nodes, i), self.props(nodes[i][0] & self.protected), self.tokens(nodes[i][1]))
-            for key, (c, i) in best.items()
-        }
+        def done(score: float) -> bool:
+            enough = score > budget
+            if not enough and count and len(best) >= count:
+                enough = score >= sorted(c for c, _ in best.values())[count - 1]
+            if enough:
+                stop[0] = score
+            return enough
+
+        nodes = self._search(on_state, done)
+        return (
+            {
+                key: Found(c, self._path(nodes, i), self.props(nodes[i][0] & self.protected), self.tokens(nodes[i][1]))
+                for key, (c, i) in best.items()
+                if c <= stop[0]
+            },
+            stop[0],
+        )
 
 
 def _over(a: tuple[float, ...], b: tuple[float, ...]) -> float:

@@ -9,6 +9,22 @@ the cheapest way to reach it; each transition is a search over the segment's tri
 (:class:`~hapc.synth.search.SegmentSearch`), cached across segments with equal signatures (the
 repeated blocks of HARP §5.1). Within the segmented cost model the result is optimal.
 
+**Branch and bound.** The tables hold the product of the layouts of every tensor alive at a
+segment end (q, k, v, the residual and the rotary halves inside attention: over a million states
+in tiny Llama). A first pass keeps only the :data:`BEAM` cheapest states per table and so finds a
+complete program of cost ``U`` quickly; the exact pass then drops every state whose cost plus a
+lower bound on the segments still to come exceeds ``U`` (each remaining node costs at least its
+cheapest defining triple alone, :meth:`_Synth.segment_bound`), and asks each segment search only
+for exits within that budget (:meth:`~hapc.synth.search.SegmentSearch.explore`). Nothing that
+could be cheaper than ``U`` is dropped, so the optimum is unchanged (tiny Llama 50 s -> 1 s on 2
+CPU ranks; ``tests/test_synth_optimality.py`` checks it against exhaustive enumeration with the
+poorest first pass).
+
+**Static data** (masks, position ids, rotary tables: buffers and what they alone compute, without
+gradient) is replicated only (:func:`~hapc.theory.triples.static_data`); its nodes are segments of
+their own, computed once and carried in the state in their one layout, instead of being
+re-created inside every consumer.
+
 Segmentation (``segments=``):
 
 ``"node"`` (default)
@@ -26,6 +42,7 @@ Segmentation (``segments=``):
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,12 +52,14 @@ from ..errors import InfeasibleError
 from ..theory.graph import OP
 from ..theory.instructions import Collective, Compute
 from ..theory.props import DONE, Prop
-from ..theory.triples import Theory
+from ..theory.triples import Theory, static_data
 from .cost import CostModel, Vec
 from .search import Progress, SearchStats, SegmentSearch
 from .segments import find_cuts, source_like
 
 SEGMENTATIONS = ("node", "blocks", "none")
+#: states kept per table by the first (upper-bound) pass of :func:`synthesize_program`
+BEAM = 64
 _DEBUG = False
 
 
@@ -119,6 +138,7 @@ class _SegMasks:
     touched_toks: int
     needed: int  # properties needed after this segment (and Done)
     toks_after: int
+    must: tuple[int, ...] = ()  # per tensor no later segment produces: its needed layouts (one must hold)
 
 
 class SynthSpace:
@@ -130,7 +150,8 @@ class SynthSpace:
         self.theory, self.m, self.mode = theory, m, segments
         self.allowed = shardable_triples(theory, m) if allowed is None else allowed
         g = theory.graph
-        sources = source_like(g)
+        # static data (masks, position tables) is computed once, by plain triples: its own segments
+        sources = source_like(g) - static_data(g)
         anchors = [n.index for n in g if n.kind == OP and n.index not in sources]
         if segments == "node":
             groups = [[a] for a in anchors]
@@ -167,9 +188,7 @@ class SynthSpace:
             segs = [self.segments[i] for i in b]
             refs = {r for sg in segs for r in sg.labels}
             lab = _labels(g, [a for sg in segs for a in sg.anchors], refs)
-            key = tuple(
-                (sg.signature, tuple(sorted((v, lab[r]) for r, v in sg.labels.items()))) for sg in segs
-            )
+            key = tuple((sg.signature, tuple(sorted((v, lab[r]) for r, v in sg.labels.items()))) for sg in segs)
             self.block_signatures.append(ids.setdefault(("block", key), len(ids)))
             self.block_labels.append(lab)
             self.block_refs.append({v: r for r, v in lab.items()})
@@ -177,6 +196,11 @@ class SynthSpace:
     def _assign(self, anchors: list[int]) -> None:
         th = self.theory
         where = {a: s.index for s in self.segments for a in s.anchors}
+        # a source-like tensor (a parameter chain, an input) can be made once what it reads is:
+        # in the latest segment among its operands' (segment 0 for graph sources)
+        ready: dict[int, int] = {}
+        for n in th.graph:
+            ready[n.index] = where.get(n.index, max((ready[o] for o in n.operands), default=0))
         users = defaultdict(set)  # tensor -> segments whose triples need it
         homes: dict[int, int] = {}
         for k in sorted(self.allowed):
@@ -186,7 +210,7 @@ class SynthSpace:
                 continue
             seg = where.get(last.ref)
             if seg is None:
-                seg = max((where[p.ref] for p in t.pre if p.ref in where), default=0)
+                seg = max((ready[p.ref] for p in t.pre), default=0)
             homes[k] = seg
             for p in t.pre:
                 users[p.ref].add(seg)
@@ -272,6 +296,13 @@ class SynthSpace:
                     by_ref[x] |= bits.p(Prop(x, lay))
             for tok in s.tokens_after:
                 tok_by_ref[tok[1]] |= bits.t(tok)
+        made_last: dict[int, int] = {}  # tensor -> last segment with a triple producing it
+        for seg in self.segments:
+            for k in seg.triples:
+                if isinstance(self.theory.triples[k].instrs[-1], Collective):
+                    continue  # a collective needs the tensor already
+                for p in self.theory.triples[k].post:
+                    made_last[p.ref] = seg.index
         masks = []
         for seg in self.segments:
             refs = {p.ref for k in seg.triples for p in self.theory.triples[k].pre} | set(seg.anchors)
@@ -287,7 +318,14 @@ class SynthSpace:
             after = 0
             for tok in seg.tokens_after:
                 after |= bits.t(tok)
-            masks.append(_SegMasks(touched, ttoks, needed, after))
+            must = []
+            for x, ls in seg.needed_after.items():
+                if made_last.get(x, -1) <= seg.index:
+                    m = 0
+                    for lay in ls:
+                        m |= bits.p(Prop(x, lay))
+                    must.append(m)
+            masks.append(_SegMasks(touched, ttoks, needed, after, tuple(must)))
         self._state_bits = (bits, masks)
         return self._state_bits
 
@@ -343,9 +381,7 @@ def _labels(graph, anchors: Sequence[int], refs: set[int]) -> dict[int, tuple]:
 
 def _relabel(ins, lab: dict[int, tuple]):
     """An instruction with its ref replaced by a label (for signatures only)."""
-    return (type(ins).__name__, lab[ins.ref]) + tuple(
-        getattr(ins, f) for f in ins.__slots__ if f != "ref"
-    )
+    return (type(ins).__name__, lab[ins.ref]) + tuple(getattr(ins, f) for f in ins.__slots__ if f != "ref")
 
 
 def shardable_triples(theory: Theory, m: int) -> set[int]:
@@ -383,32 +419,95 @@ class _Synth:
         for sig in space.block_signatures:
             counts[sig] += 1
         self.repeated = {sig for sig, c in counts.items() if c > 1}
+        # branch and bound: ``upper`` is the cost of a complete program already found, ``suffix[i]``
+        # a lower bound on what segments ``i..`` cost from any state; a state whose cost plus
+        # the bound of what follows exceeds ``upper`` leads to nothing cheaper and is dropped
+        self.upper = math.inf
+        self.beam = 0  # > 0: keep only that many cheapest states per table (the first pass)
+        self.dead_end = -1  # the last segment some states could not get past
+        lbs = [self.segment_bound(seg) for seg in space.segments]
+        self.suffix = [0.0] * (len(lbs) + 1)
+        for i in range(len(lbs) - 1, -1, -1):
+            self.suffix[i] = self.suffix[i + 1] + lbs[i]
 
     def time_of(self, k: int):
         if k not in self.times:
             self.times[k] = self.model.triple_time(self.th.triples[k].cost, self.ratios)
         return self.times[k]
 
-    def segment_exits(self, seg: Segment, enter: int, toks: int) -> list:
-        """Ways through ``seg`` from entry masks: ``[(live, tokens, cost, program), ...]``."""
+    def segment_bound(self, seg: Segment) -> float:
+        """A lower bound on the cost of any way through ``seg``, from any entry state.
+
+        Each node of a segment is computed only there (non-source nodes are never fused into other
+        triples), by a triple whose last instruction computes it, and a program costs at least any
+        one of its triples alone (stage times are maxima of sums; collectives, gradient and memory
+        terms add). One node: the cheapest defining triple's whole time. Several: the per-type
+        least compute, summed over the nodes, on the busiest type, forward and backward."""
+        nt = len(self.model.types)
+        lbf: dict[int, list[float]] = {}
+        lbb: dict[int, list[float]] = {}
+        alone: dict[int, float] = {}
+        anchors = set(seg.anchors)
+        for k in seg.triples:
+            last = self.th.triples[k].instrs[-1]
+            if not isinstance(last, Compute) or last.ref not in anchors:
+                continue
+            tt = self.time_of(k)
+            n = last.ref
+            whole = tt.grad + tt.fwd_comm + tt.bwd_comm + max(tt.fwd_comp, default=0.0) + max(tt.bwd_comp, default=0.0)
+            alone[n] = min(alone.get(n, math.inf), whole)
+            lbf[n] = [min(a, b) for a, b in zip(lbf.get(n, [math.inf] * nt), tt.fwd_comp)]
+            lbb[n] = [min(a, b) for a, b in zip(lbb.get(n, [math.inf] * nt), tt.bwd_comp)]
+        if len(seg.anchors) == 1:
+            return alone.get(seg.anchors[0], 0.0)
+        if not lbf:
+            return 0.0
+        return max(map(sum, zip(*lbf.values()))) + max(map(sum, zip(*lbb.values())))
+
+    def _bounded(self, nxt: dict, after: int, offset: float) -> dict:
+        """``nxt`` without the states that cannot beat ``upper`` (and, in the first pass, beyond
+        the beam). ``offset``: the cost already paid before ``nxt``'s costs started counting."""
+        if self.upper < math.inf:
+            limit = self.upper * (1 + 1e-9) + 1e-15 - offset - self.suffix[after]
+            nxt = {st: v for st, v in nxt.items() if v[0] <= limit}
+        if self.beam and len(nxt) > self.beam:
+            keep = sorted(nxt.items(), key=lambda kv: kv[1][0])[: self.beam]
+            nxt = dict(keep)
+        return nxt
+
+    def segment_exits(self, seg: Segment, enter: int, toks: int, budget: float = math.inf) -> list:
+        """Ways through ``seg`` from entry masks: ``[(live, tokens, cost, program), ...]``: every
+        exit that costs at most ``budget`` (and, in the first pass, the ``beam`` cheapest); dearer
+        ones may be left out."""
         key = (seg.index, enter, toks)
         hit = self.exit_cache.get(key)
-        if hit is not None:
-            return hit
+        if hit is not None and _covers(hit, budget, self.beam):
+            return hit[2]
         th, bits = self.th, self.bits
         rep = self.reps.setdefault(seg.signature, seg)
         lab, ref = seg.labels, seg.refs_of
         rel_enter = frozenset((lab[p.ref], p.layout) for p in bits.props(enter))
         rel_tokens = frozenset((a, lab[r]) for a, r in bits.toks(toks))
         skey = (seg.signature, rel_enter, rel_tokens)
-        if skey not in self.seg_cache:
-            self.seg_cache[skey] = _explore(
-                th, rep, rel_enter, rel_tokens, self.time_of, self.model, self.progress, self.stats
+        found = self.seg_cache.get(skey)
+        if found is None or not _covers(found, budget, self.beam):
+            exits, complete = _explore(
+                th,
+                rep,
+                rel_enter,
+                rel_tokens,
+                self.time_of,
+                self.model,
+                self.progress,
+                self.stats,
+                budget,
+                self.beam,
             )
+            found = self.seg_cache[skey] = (complete, self.beam, exits)
             self.searches += 1
         pos = {t: k for k, t in enumerate(rep.triples)}
         out = []
-        for (rel_exit, rel_tok_out), (c, rel_prog) in self.seg_cache[skey].items():
+        for (rel_exit, rel_tok_out), (c, rel_prog) in found[2].items():
             live = 0
             for r, lay in rel_exit:
                 live |= bits.p(Prop(ref[r], lay))
@@ -416,41 +515,88 @@ class _Synth:
             for a, r in rel_tok_out:
                 tk |= bits.t((a, ref[r]))
             out.append((live, tk, c, [seg.triples[pos[t]] for t in rel_prog]))
-        self.exit_cache[key] = out
+        self.exit_cache[key] = (found[0], found[1], out)
         return out
 
-    def step(self, seg: Segment, table: dict[tuple[int, int], tuple]) -> dict[tuple[int, int], tuple]:
-        """The DP across one segment: ``(live, tokens) -> (cost, back pointer)``."""
+    def step(
+        self, seg: Segment, table: dict[tuple[int, int], tuple], offset: float = 0.0, whole: bool = True
+    ) -> dict[tuple[int, int], tuple]:
+        """The DP across one segment: ``(live, tokens) -> (cost, back pointer)``. ``whole``: the
+        states hold everything live (not only what a repeated block touches), so a state missing
+        a tensor that is needed later and made by no later segment can be dropped."""
         mk = self.masks[seg.index]
         nxt: dict[tuple[int, int], tuple] = {}
         for (live, tokens), (cost, back) in table.items():
             passing = live & ~mk.touched_props
             kept = tokens & ~mk.touched_toks
-            for ex_live, ex_tok, c, prog in self.segment_exits(seg, live & mk.touched_props, tokens & mk.touched_toks):
+            budget = self.upper * (1 + 1e-9) + 1e-15 - offset - cost - self.suffix[seg.index + 1]
+            exits = self.segment_exits(seg, live & mk.touched_props, tokens & mk.touched_toks, budget)
+            for ex_live, ex_tok, c, prog in exits:
                 ns = ((ex_live | passing) & mk.needed, (ex_tok | kept) & mk.toks_after)
+                if whole and mk.must and not all(ns[0] & m for m in mk.must):
+                    continue  # a tensor needed later, held in no layout, made by no later segment
                 total = cost + c
                 old = nxt.get(ns)
                 if old is None or total < old[0] - 1e-15:
                     nxt[ns] = (total, (back, seg.index, prog, c))
-        if not nxt:
-            raise InfeasibleError(
-                f"no program gets past segment {seg.index} (nodes {seg.anchors[0]}..{seg.anchors[-1]}); "
-                "every op has a replicate triple, so the allowed triples were restricted too far"
-            )
-        return nxt
+        if not nxt and table:
+            self.dead_end = max(self.dead_end, seg.index)
+        return self._bounded(nxt, seg.index + 1, offset)
 
-    def run_block(self, b: int, table: dict) -> dict:
+    def run_block(self, b: int, table: dict, offset: float = 0.0, whole: bool = True) -> dict:
         """The DP across block ``b`` for a whole table of entry states."""
         for i in self.space.blocks[b]:
-            table = self.step(self.space.segments[i], table)
+            table = self.step(self.space.segments[i], table, offset, whole)
+            if not table:
+                break
         return table
 
-    def block_from(self, b: int, state: tuple[int, int]) -> dict:
+    def solve(self, required: bool = True) -> tuple[float, Any] | None:
+        """The DP over every block: the cheapest complete program as ``(cost, back pointer)``;
+        ``None`` when ``upper`` pruned every state (nothing beats the program already found)."""
+        sp = self.space
+        table: dict[tuple[int, int], tuple] = {(0, 0): (0.0, None)}
+        for b in range(len(sp.blocks)):
+            if sp.block_signatures[b] in self.repeated:
+                nxt: dict[tuple[int, int], tuple] = {}
+                must = self.masks[sp.blocks[b][-1]].must
+                for state, (cost, back) in table.items():
+                    for ex, (c, progs) in self.block_from(b, state, cost).items():
+                        if must and not all(ex[0] & m for m in must):
+                            continue
+                        total = cost + c
+                        if ex not in nxt or total < nxt[ex][0] - 1e-15:
+                            nxt[ex] = (total, (back, -1, progs, c))
+                table = self._bounded(nxt, sp.blocks[b][-1] + 1, 0.0)
+            else:
+                table = self.run_block(b, table)
+            if not table:
+                if required:
+                    raise self._infeasible()
+                return None
+            _prune_dominated(table, self.bits)
+        done = self.bits.p(DONE)
+        finals = [(c, back) for (lv, _), (c, back) in table.items() if lv & done]
+        if not finals:
+            if required:
+                raise InfeasibleError("no complete program: the loss is never produced")
+            return None
+        return min(finals, key=lambda x: x[0])
+
+    def _infeasible(self) -> InfeasibleError:
+        seg = self.space.segments[max(self.dead_end, 0)]
+        return InfeasibleError(
+            f"no program gets past segment {seg.index} (nodes {seg.anchors[0]}..{seg.anchors[-1]}); "
+            "every op has a replicate triple, so the allowed triples were restricted too far"
+        )
+
+    def block_from(self, b: int, state: tuple[int, int], offset: float = 0.0) -> dict:
         """Exits of a repeated block from one entry state, cached under the block's labels.
 
         Only the part of ``state`` the block touches is searched; the rest passes through (kept
         when needed after the block), so blocks that differ only in what flows past them share
-        one search."""
+        one search. ``offset`` is the entry state's cost: exits that cannot beat ``upper`` from
+        there are dropped, so a cached search serves entries at that cost or more."""
         sp, bits = self.space, self.bits
         segs = [sp.segments[i] for i in sp.blocks[b]]
         lab, ref = sp.block_labels[b], sp.block_refs[b]
@@ -466,8 +612,9 @@ class _Synth:
             frozenset((a, lab[r]) for a, r in bits.toks(tok_in)),
         )
         key = (sp.block_signatures[b], rel)
-        if key not in self.block_cache:
-            table = self.run_block(b, {(live_in, tok_in): (0.0, None)})
+        hit = self.block_cache.get(key)
+        if hit is None or hit[0] > offset:
+            table = self.run_block(b, {(live_in, tok_in): (0.0, None)}, offset, whole=False)
             here = {sg.index: {t: k for k, t in enumerate(sg.triples)} for sg in segs}
             out = {}
             for (lv, tk), (c, back) in table.items():
@@ -480,9 +627,9 @@ class _Synth:
                     frozenset((a, lab[r]) for a, r in bits.toks(tk)),
                 )
                 out[rel_st] = (c, progs[::-1])
-            self.block_cache[key] = out
+            self.block_cache[key] = hit = (offset if self.upper < math.inf else -math.inf, out)
         result = {}
-        for (rl, rt), (c, progs) in self.block_cache[key].items():
+        for (rl, rt), (c, progs) in hit[1].items():
             lv = passing[0]
             for r, lay in rl:
                 lv |= bits.p(Prop(ref[r], lay))
@@ -495,32 +642,36 @@ class _Synth:
 
 
 def synthesize_program(
-    space: SynthSpace, model: CostModel, ratios: Vec, progress: Progress | None = None
+    space: SynthSpace, model: CostModel, ratios: Vec, progress: Progress | None = None, beam: int = BEAM
 ) -> SynthResult:
     """The optimal program for ``ratios`` (HAP Eq. 1) within ``space``'s segmented cost model.
 
     A block (the segments between two single-tensor cuts) that occurs several times -- a
     transformer layer -- is solved once per entry state and reused; others run in the table.
+
+    Branch and bound keeps the tables small without giving up optimality: a first pass keeps only
+    the ``beam`` cheapest states of every table, which finds a complete program of cost ``U``
+    quickly; the exact pass then drops every state whose cost plus a lower bound on the
+    remaining segments (:meth:`_Synth.segment_bound`) exceeds ``U`` -- no program through it can
+    be cheaper. The exact pass's optimum is returned (the first pass's program when nothing beats
+    it). ``beam=0`` skips the first pass (the plain DP).
     """
     run = _Synth(space, model, ratios, progress)
-    table: dict[tuple[int, int], tuple] = {(0, 0): (0.0, None)}
-    for b in range(len(space.blocks)):
-        if space.block_signatures[b] in run.repeated:
-            nxt: dict[tuple[int, int], tuple] = {}
-            for state, (cost, back) in table.items():
-                for ex, (c, progs) in run.block_from(b, state).items():
-                    total = cost + c
-                    if ex not in nxt or total < nxt[ex][0] - 1e-15:
-                        nxt[ex] = (total, (back, -1, progs, c))
-            table = nxt
-        else:
-            table = run.run_block(b, table)
-        _prune_dominated(table, run.bits)
-    done = run.bits.p(DONE)
-    finals = [(c, back) for (lv, _), (c, back) in table.items() if lv & done]
-    if not finals:
-        raise InfeasibleError("no complete program: the loss is never produced")
-    total, back = min(finals, key=lambda x: x[0])
+    best = None
+    if beam:
+        run.beam = beam
+        try:
+            best = run.solve()
+        except InfeasibleError:
+            best = None
+        run.beam, run.block_cache = 0, {}
+        if best is not None:
+            run.upper = best[0]
+    exact = run.solve(required=best is None)
+    if exact is not None and (best is None or exact[0] < best[0]):
+        best = exact
+    assert best is not None
+    total, back = best
     parts: list[list[int]] = [[] for _ in space.segments]
     seg_costs = [0.0] * len(space.segments)
     while back is not None:
@@ -552,7 +703,20 @@ def _prune_dominated(states: dict[tuple[int, int], tuple], bits: _Bits) -> None:
                 kept.append((st, c))
 
 
-def _explore(th, rep: Segment, rel_enter, rel_tokens, time_of, model, progress, stats) -> dict:
+def _covers(cached: tuple, budget: float, count: int) -> bool:
+    """Whether a cached search ``(complete up to, count it was asked for, exits)`` answers a query
+    for every exit up to ``budget`` (``count`` > 0: the ``count`` cheapest)."""
+    complete, asked, _ = cached
+    if complete == math.inf:
+        return True
+    return asked >= count if count else budget < complete
+
+
+def _explore(
+    th, rep: Segment, rel_enter, rel_tokens, time_of, model, progress, stats, budget: float, count: int
+) -> tuple[dict, float]:
+    """The exits of ``rep``'s search from a relative entry, and the cost up to which they are
+    complete (:meth:`SegmentSearch.explore`)."""
     lab, ref = rep.labels, rep.refs_of
     enter = frozenset(Prop(ref[r], lay) for r, lay in rel_enter)
     tokens = frozenset((a, ref[r]) for a, r in rel_tokens)
@@ -574,10 +738,10 @@ def _explore(th, rep: Segment, rel_enter, rel_tokens, time_of, model, progress, 
         stats.add(search.stats)
         done = found.get("done")
         key = (frozenset({(lab[DONE.ref], DONE.layout)}), frozenset())
-        return {key: (done.cost, done.triples)} if done else {}
-    found = search.explore(exit_key)
+        return ({key: (done.cost, done.triples)} if done else {}), math.inf
+    found, complete = search.explore(exit_key, budget, count)
     stats.add(search.stats)
-    return {key: (f.cost, f.triples) for key, f in found.items()}
+    return {key: (f.cost, f.triples) for key, f in found.items()}, complete
 
 
 def program_cost(theory: Theory, model: CostModel, parts: Sequence[Sequence[int]], ratios: Vec) -> float:

@@ -457,9 +457,16 @@ def _fuse_sources(triples: list[Triple], g: RefGraph) -> list[Triple]:
     the search may place anywhere -- fusing whole input-fed chains would multiply strategies.
     """
     static = _static_nodes(g)
+    data = {i for i in static_data(g) if g[i].kind == OP}
     kept: dict[int, Triple] = {}  # sources left standalone where fusing them would blow up
-    sources = [t for t in triples if not t.pre]
-    others = [t for t in triples if t.pre]
+    # ops on static *data* (position ids, rotary tables, masks: what buffers and constants alone
+    # compute, without gradient) are replicated only, so each has one way to be computed: it stays
+    # a plain triple (its buffers fused into it), computed once and kept, instead of being fused
+    # into every consumer in every combination of the chain's paths (tiny Llama's rotary chain
+    # became ~800 fused triples, T5's position buckets 7.9k). Never dearer: fused, it is only
+    # recomputed.
+    sources = [t for t in triples if not t.pre and t.instrs[-1].ref not in data]
+    others = [t for t in triples if t.pre or t.instrs[-1].ref in data]
     for _ in range(len(g) + 1):
         others += [t for t in sources if t.instrs[-1].ref not in static and len(t.instrs) > 1]
         sources = [t for t in sources if t.instrs[-1].ref in static or len(t.instrs) == 1]
@@ -500,11 +507,22 @@ def _fuse_sources(triples: list[Triple], g: RefGraph) -> list[Triple]:
                     covered |= src.post
                     fused = fused.fuse_after(src)
                 else:
-                    (next_sources if not fused.pre else next_others).append(fused)
+                    plain = fused.pre or fused.instrs[-1].ref in data
+                    (next_others if plain else next_sources).append(fused)
         sources, others = next_sources, next_others
     out = others + [t for t in sources if DONE in t.post]
     present = {id(t) for t in out}
     return out + [t for k, t in kept.items() if k not in present]
+
+
+def static_data(g: RefGraph) -> set[int]:
+    """Buffers and the ops computed from them alone without gradient (position ids, rotary
+    tables, causal masks): replicated on every rank (``_Builder._is_static_data``)."""
+    data: set[int] = set()
+    for n in g:
+        if n.kind == BUFFER or (n.kind == OP and not n.requires_grad and all(o in data for o in n.operands)):
+            data.add(n.index)
+    return data
 
 
 def _static_nodes(g: RefGraph) -> set[int]:
