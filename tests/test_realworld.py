@@ -6,8 +6,7 @@ VisionTransformer, MobileNetV3) and timm (ViT) at tiny sizes (:mod:`realworld`),
 with keyword inputs and ``labels=`` exactly as their docs show: every rank's loss, every gradient
 (tied names included), the returned logits and the weights after two optimizer steps equal
 single-device training, on 2 and 3 gloo processes, under the default plan, Megatron TP and
-uneven fixed ratios. T5 and Mixtral are captured and derived here but not yet trained: their
-synthesis is too slow for the suite (see ``CASES``).
+uneven fixed ratios (T5, encoder-decoder with ``labels=``, and Mixtral under the default plan).
 
 Gradients are compared against the whole model's gradient scale: some are exactly zero in exact
 arithmetic (an attention key bias, a batch-norm bias feeding another batch norm) and are
@@ -110,17 +109,7 @@ def _check(name: str, world: int, cluster: str, **opts: Any) -> None:
 
 # (model, processes, cluster, options)
 CASES = [
-    # Left out until synthesis of their tiny configs on local-cpu:2 is fast (measured on the tree of
-    # 2026-11-25, synthesizer mid-speedup, shared 2-core host):
-    # - Mixtral matches one device (loss in float32 as for Llama), but synthesis ran > 6 CPU-min
-    #   (4 GB RSS) unfinished: the rotary-embedding segments (apply_rotary_pos_emb's mul, ~620
-    #   triples each, as in Llama) explode the search state (677k states after one of them);
-    # - T5: derive 1.8 s, 18.5k triples, then > 4 min unfinished in one segment search (1.45M
-    #   states, `_drop_dead` 180 of 240 s): the static relative-position-bucket chain
-    #   (_relative_position_bucket: arange, sub, abs, log, min, where) is fused into its consumers
-    #   in every layout combination (`_fuse_sources`: 7.9k triples for the decoder's where_2 alone),
-    #   all homed in the first attention segment that reads the bias.
-    *[(name, 2, "local-cpu:2", {}) for name in realworld.MODELS if name not in ("t5", "mixtral")],
+    *[(name, 2, "local-cpu:2", {}) for name in realworld.MODELS],
     ("gpt2", 3, "local-cpu:3", {"ratios": (0.4, 0.2)}),
     ("bert-mlm", 3, "local-cpu:3", {"ratios": (0.4, 0.2)}),
     ("llama", 3, "local-cpu:3", {"ratios": (0.4, 0.2)}),
