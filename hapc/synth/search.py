@@ -382,6 +382,7 @@ class SegmentSearch:
         best: dict[Hashable, tuple[float, int]] = {}
         keys: dict[tuple[int, int], Hashable] = {}
         stop = [math.inf]
+        kth = [math.inf, False]  # the count-th cheapest exit cost, and whether ``best`` changed since
 
         def on_state(idx: int, rec: tuple) -> None:
             if self.all_nodes & ~self.covered(rec[0]):
@@ -393,11 +394,14 @@ class SegmentSearch:
             c = self._cost(rec)
             if key not in best or c < best[key][0] - 1e-15:
                 best[key] = (c, idx)
+                kth[1] = True
 
         def done(score: float) -> bool:
             enough = score > budget
             if not enough and count and len(best) >= count:
-                enough = score >= sorted(c for c, _ in best.values())[count - 1]
+                if kth[1]:  # re-ranked only when an exit was added or improved, not on every pop
+                    kth[:] = [heapq.nsmallest(count, (c for c, _ in best.values()))[-1], False]
+                enough = score >= kth[0]
             if enough:
                 stop[0] = score
             return enough
