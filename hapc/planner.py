@@ -208,6 +208,7 @@ class KindEstimate:
     summary: str = ""  # e.g. "2 stages, 8 micro-batches" / "ratios v100 0.07, p100 0.05"
     seconds: float = 0.0  # planning time
     replicas: int = 1  # data-parallel replicas of a pipeline
+    num_micro: int = 0  # a pipeline's micro-batches per step of the global batch (0: not a pipeline)
 
     @property
     def plan_kind(self) -> str:
@@ -266,24 +267,100 @@ def kinds_table(kinds: Sequence[KindEstimate | dict[str, Any]]) -> Any:
     return tab
 
 
-def pipeline_blocker(model: torch.nn.Module, cluster: Cluster, example_inputs: Any, num_micro: int) -> str | None:
-    """Why the pipeline runtime cannot take this model, cluster and batch (None: it can)."""
+def pipeline_blocker(
+    model: torch.nn.Module, cluster: Cluster, example_inputs: Any, num_micro: int | None = None
+) -> str | None:
+    """Why the pipeline runtime cannot take this model, cluster and batch (None: it can).
+    ``num_micro``: the micro-batch count asked for (None: the planner chooses one that divides the batch)."""
     if cluster.virtual != "gpu":
         return "pipelines place stages on devices: the cluster describes virtual hosts (virtual = 'host')"
     if cluster.num_devices < 2:
         return "one device: nothing to pipeline over"
     if isinstance(example_inputs, dict):
         return "the pipeline runtime takes positional inputs (the example inputs are keyword arguments)"
-    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
-    batch = next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim()), None)
+    batch = _batch_size(example_inputs)
     if batch is None:
         return "no input has a batch dimension to split into micro-batches"
-    if batch % num_micro:
-        return f"the batch of {batch} does not split into {num_micro} equal micro-batches (num_micro)"
+    if num_micro is not None and batch % num_micro:
+        divisors = ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0)
+        return (
+            f"the batch of {batch} does not split into {num_micro} equal micro-batches (num_micro); "
+            f"give a num_micro that divides it ({divisors}) or leave num_micro unset for the planner to choose"
+        )
     norms = [q for q, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
     if norms:
         return f"batch norm {norms[0]!r} in training mode would normalise each micro-batch on its own"
     return None
+
+
+def _batch_size(example_inputs: Any) -> int | None:
+    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    return next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim()), None)
+
+
+#: the micro-batch count the search starts from (the largest divisor of the batch up to it): HARP's
+#: and this planner's former fixed default
+START_MICRO = 8
+#: micro-batch counts are searched up to this many per device of the cluster (see :func:`micro_candidates`)
+MICRO_PER_DEVICE = 4
+
+
+def micro_candidates(batch: int, devices: int) -> list[int]:
+    """The micro-batch counts :func:`choose_plan` may price for a global batch of ``batch`` rows on
+    ``devices`` devices: the divisors of ``batch`` (equal micro-batches, as the runtime splits them)
+    up to ``max(START_MICRO, MICRO_PER_DEVICE * devices)``. The bound: a pipeline has at most one
+    stage per device, and with ``B >= 4 S`` micro-batches the H-1F1B bubble ``(S - 1) / (B + S - 1)``
+    is already under a fifth of the step, while every further micro-batch adds its per-op overheads
+    and link latencies (HARP Eq. 12 with affine stage times ``t_s(b) = a_s + b_s b`` is convex in
+    ``B``, its minimum near ``sqrt(N sum_{s != max} b_s / a_max)``)."""
+    cap = max(START_MICRO, MICRO_PER_DEVICE * devices)
+    return [d for d in range(1, min(batch, cap) + 1) if batch % d == 0]
+
+
+def search_micro(price: Any, candidates: Sequence[int], start: int) -> int:
+    """The micro-batch count among ``candidates`` that a local search over ``price`` (count -> least
+    predicted step time at that count, ``inf`` when nothing fits) settles on.
+
+    A first-improvement descent from ``start``: the neighbours of ``B`` are the next larger and
+    next smaller candidate and the candidates ``B p`` and ``B / p`` for a prime ``p`` (more
+    micro-batches first, ascending, then fewer, descending); it moves to the first cheaper one and
+    stops where none is. Where nothing fits yet it moves to the next larger count (smaller
+    micro-batches need less memory). Why the prime steps: replica counts must divide the count, so
+    the least time over replicas jumps between, say, 6 and 3 and 2 -- the descent goes 6 -> 2 where
+    the sorted neighbour 3 is dearer than both. With the sorted neighbours it is exact when the step
+    time is unimodal in ``B`` (Eq. 12 with affine stage times is convex); the caller takes the least of
+    everything priced, so the answer is never worse than ``start``'s. Returns the count chosen."""
+    cands = sorted(set(candidates))
+    times: dict[int, float] = {}
+
+    def at(B: int) -> float:
+        if B not in times:
+            times[B] = price(B)
+        return times[B]
+
+    def prime(n: int) -> bool:
+        return n > 1 and all(n % k for k in range(2, math.isqrt(n) + 1))
+
+    def neighbours(B: int) -> list[int]:
+        i = cands.index(B)
+        up = [c for k, c in enumerate(cands) if c > B and (k == i + 1 or (c % B == 0 and prime(c // B)))]
+        down = [c for k, c in enumerate(cands) if c < B and (k == i - 1 or (B % c == 0 and prime(B // c)))]
+        return up + down[::-1]
+
+    B = start
+    while True:
+        here = at(B)
+        if math.isinf(here):
+            nxt = next((c for c in neighbours(B) if c > B), None)
+            if nxt is None:
+                break
+            B = nxt
+            continue
+        nxt = next((c for c in neighbours(B) if at(c) < here), None)
+        if nxt is None:
+            break
+        B = nxt
+    return min(times, key=lambda k: (times[k], k))
 
 
 def choose_plan(
@@ -292,7 +369,7 @@ def choose_plan(
     example_inputs: Any,
     *,
     kinds: Sequence[str] = KINDS,
-    num_micro: int = 8,
+    num_micro: int | None = None,
     theory: Any = None,
     synth_options: dict[str, Any] | None = None,
     theory_options: dict[str, Any] | None = None,
@@ -304,7 +381,12 @@ def choose_plan(
     """Price every plan kind in ``kinds`` for ``model`` on ``cluster`` and pick the fastest.
 
     ``example_inputs`` is the global batch (the pipeline splits it into ``num_micro``
-    micro-batches). ``theory``: the SPMD theory of that batch when already derived (else traced with
+    micro-batches). ``num_micro``: the pipeline's micro-batch count, fixed (a count that does not
+    divide the batch leaves the pipeline out, "not applicable"); ``None`` (default): chosen by
+    predicted step time among the divisors of the batch (:func:`micro_candidates`) by a local
+    search from the largest divisor up to :data:`START_MICRO` (:func:`search_micro`) -- each count
+    priced with every replica count, and every pipeline entry priced is listed (``[B micro]`` in its
+    label; ``KindEstimate.num_micro``). ``theory``: the SPMD theory of that batch when already derived (else traced with
     ``trace_options`` and derived with ``theory_options``). ``synth_options`` go to
     :func:`synthesize_theory`; a ``baseline`` or fixed ``ratios`` are SPMD-only, so they leave the
     pipeline out. ``pipeline_blocked``: a reason the caller cannot run a pipeline (e.g. a
@@ -363,55 +445,32 @@ def choose_plan(
         if blocker is not None:
             out.append(KindEstimate(kind, "not applicable", reason=blocker))
             continue
-        from .pipeline.planner import plan_pipeline
-        from .pipeline.replicas import layouts
-        from .pipeline.runtime import micro_batches
+        batch = _batch_size(example_inputs)
+        assert batch is not None  # pipeline_blocker checked
+        if num_micro is not None:
+            counts, start = [num_micro], num_micro
+        else:
+            counts = micro_candidates(batch, cluster.num_devices)
+            start = max(d for d in counts if d <= START_MICRO)
+        searched = num_micro is None
 
-        inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
-        batch = next(x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim())
-        micro = micro_batches(inputs, num_micro, batch)[0]
-        try:
-            th = derive(trace(model, micro), **theory_options)  # as the pipeline runtime traces its stages
-        except HapcError as exc:
-            out.append(KindEstimate(kind, "infeasible", reason=str(exc), seconds=time.perf_counter() - t0))
-            continue
-        cache: dict[str, Any] = {}  # stage costs shared by the replica counts
-        counts = [1] + replica_counts(cluster, num_micro, replicas)
-        candidates = [(n, lay) for n in counts for lay in (layouts(cluster, n) if n > 1 else ["blocked"])]
-        for R, layout in candidates:
-            label = kind if R == 1 else f"{kind} x{R} ({layout})"
-            t1 = time.perf_counter()
-            try:
-                pplan = plan_pipeline(
-                    model, cluster, micro, num_micro=num_micro, theory=th, replicas=R, layout=layout, cache=cache
-                )
-            except HapcError as exc:  # PlanningError: no pipeline fits (memory, layers, links)
-                seconds = time.perf_counter() - (t0 if R == 1 else t1)
-                why = str(exc) if R == 1 else f"one replica ({cluster.num_devices // R} devices): {exc}"
-                out.append(KindEstimate(label, "infeasible", reason=why, seconds=seconds, replicas=R))
-                continue
-            plans[label] = pplan
-            groups = sorted({s.group for s in pplan.stages})
-            rows = batch // num_micro
-            summary = (
-                f"{len(pplan.stages)} stage(s) over {', '.join(groups)}, {num_micro} micro-batches of {rows}"
-                f", eta {pplan.eta:.0%}"
-            )
-            if R > 1:
-                devices = cluster.num_devices // R
-                sync = max(s.replica_sync for s in pplan.stages)
-                summary = (
-                    f"{R} replicas x {len(pplan.stages)} stage(s) on {devices} devices over {', '.join(groups)}, "
-                    f"{pplan.num_micro} of {num_micro} micro-batches of {rows} each, all-reduce across replicas "
-                    f"<= {sync * 1e3:.3g} ms per stage, eta {pplan.eta:.0%}"
-                )
-            seconds = time.perf_counter() - (t0 if R == 1 else t1)
-            out.append(KindEstimate(label, "feasible", pplan.time, summary=summary, seconds=seconds, replicas=R))
+        def price(B: int, batch: int = batch, searched: bool = searched) -> float:
+            entries = _price_pipelines(
+                model, cluster, example_inputs, batch, B, theory_options, replicas, labelled=searched,
+                t0=time.perf_counter(),
+            )  # fmt: skip
+            for est, pplan in entries:
+                out.append(est)
+                if pplan is not None:
+                    plans[est.kind] = pplan
+            return min((e.time for e, p in entries if p is not None), default=math.inf)
+
+        search_micro(price, counts, start)
     priced = [k for k in out if k.status == "feasible"]
     if not priced:
         why = "; ".join(f"{k.kind}: {k.status}: {k.reason}" for k in out)
         raise InfeasibleError(f"no plan kind can run {cluster.name!r}: {why}")
-    best = min(priced, key=lambda k: k.time)  # the first (SPMD, then fewer replicas) on a tie
+    best = min(priced, key=lambda k: k.time)  # the first priced (SPMD, then fewer replicas) on a tie
     best.status = "chosen"
     chosen = plans[best.kind]
     if best.plan_kind == "spmd":
@@ -419,6 +478,74 @@ def choose_plan(
     else:
         chosen.kinds = [k.to_json() for k in out]
     return PlanChoice(best.plan_kind, chosen, out)
+
+
+def _price_pipelines(
+    model: torch.nn.Module,
+    cluster: Cluster,
+    example_inputs: Any,
+    batch: int,
+    num_micro: int,
+    theory_options: dict[str, Any],
+    replicas: Sequence[int] | None,
+    *,
+    labelled: bool,
+    t0: float,
+) -> list[tuple[KindEstimate, Any]]:
+    """The pipeline, and its data-parallel replicas, priced at ``num_micro`` micro-batches: one
+    ``(estimate, plan or None)`` per replica count and layout. ``labelled``: say the count in the
+    labels (the planner searched it)."""
+    from .pipeline.planner import plan_pipeline
+    from .pipeline.replicas import layouts
+    from .pipeline.runtime import micro_batches
+    from .theory import derive, trace
+
+    kind = "pipeline"
+    tag = f" [{num_micro} micro]" if labelled else ""
+    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    micro = micro_batches(inputs, num_micro, batch)[0]
+    try:
+        th = derive(trace(model, micro), **theory_options)  # as the pipeline runtime traces its stages
+    except HapcError as exc:
+        est = KindEstimate(kind + tag, "infeasible", reason=str(exc), seconds=time.perf_counter() - t0,
+                           num_micro=num_micro)  # fmt: skip
+        return [(est, None)]
+    out: list[tuple[KindEstimate, Any]] = []
+    cache: dict[str, Any] = {}  # stage costs shared by the replica counts
+    counts = [1] + replica_counts(cluster, num_micro, replicas)
+    candidates = [(n, lay) for n in counts for lay in (layouts(cluster, n) if n > 1 else ["blocked"])]
+    rows = batch // num_micro
+    for R, layout in candidates:
+        label = (kind if R == 1 else f"{kind} x{R} ({layout})") + tag
+        t1 = time.perf_counter()
+        try:
+            pplan = plan_pipeline(
+                model, cluster, micro, num_micro=num_micro, theory=th, replicas=R, layout=layout, cache=cache
+            )
+        except HapcError as exc:  # PlanningError: no pipeline fits (memory, layers, links)
+            seconds = time.perf_counter() - (t0 if R == 1 else t1)
+            why = str(exc) if R == 1 else f"one replica ({cluster.num_devices // R} devices): {exc}"
+            est = KindEstimate(label, "infeasible", reason=why, seconds=seconds, replicas=R, num_micro=num_micro)
+            out.append((est, None))
+            continue
+        groups = sorted({s.group for s in pplan.stages})
+        summary = (
+            f"{len(pplan.stages)} stage(s) over {', '.join(groups)}, {num_micro} micro-batches of {rows}"
+            f", eta {pplan.eta:.0%}"
+        )
+        if R > 1:
+            devices = cluster.num_devices // R
+            sync = max(s.replica_sync for s in pplan.stages)
+            summary = (
+                f"{R} replicas x {len(pplan.stages)} stage(s) on {devices} devices over {', '.join(groups)}, "
+                f"{pplan.num_micro} of {num_micro} micro-batches of {rows} each, all-reduce across replicas "
+                f"<= {sync * 1e3:.3g} ms per stage, eta {pplan.eta:.0%}"
+            )
+        seconds = time.perf_counter() - (t0 if R == 1 else t1)
+        est = KindEstimate(label, "feasible", pplan.time, summary=summary, seconds=seconds, replicas=R,
+                           num_micro=num_micro)  # fmt: skip
+        out.append((est, pplan))
+    return out
 
 
 def replica_counts(cluster: Cluster, num_micro: int, replicas: Sequence[int] | None = None) -> list[int]:
@@ -442,7 +569,9 @@ __all__ = [
     "PlanChoice",
     "choose_plan",
     "kinds_table",
+    "micro_candidates",
     "pipeline_blocker",
     "replica_counts",
+    "search_micro",
     "synthesize_theory",
 ]

@@ -92,7 +92,7 @@ def test_the_two_predictions_are_for_the_same_batch():
     SPMD's time grows with the batch too -- neither is priced per micro-batch or per sample."""
     model, small = load("mlp", batch=8)
     _, big = load("mlp", batch=16)
-    t1, t2 = (_times(choose_plan(model, groups("1 MB/s"), x)) for x in (small, big))
+    t1, t2 = (_times(choose_plan(model, groups("1 MB/s"), x, num_micro=8)) for x in (small, big))
     assert 1.4 < t2["pipeline"] / t1["pipeline"] < 2.1, (t1, t2)
     assert 1.4 < t2["spmd"] / t1["spmd"] < 2.1, (t1, t2)
 
@@ -109,13 +109,16 @@ def test_an_infeasible_kind_is_reported_not_raised():
 
 
 def test_not_applicable_kinds_and_no_kind_left():
-    model, inputs = load("mlp", batch=6)  # 6 rows do not split into 8 micro-batches
-    choice = choose_plan(model, groups(), inputs)
+    model, inputs = load("mlp", batch=6)
+    # an explicit micro-batch count that does not divide the batch (6 rows into 8) leaves the pipeline
+    # out, and the reason names the fix
+    choice = choose_plan(model, groups(), inputs, num_micro=8)
     assert choice.kind == "spmd"
     pipe = choice.kinds[1]
     assert pipe.status == "not applicable" and "8 equal micro-batches" in pipe.reason and math.isinf(pipe.time)
+    assert "1, 2, 3, 6" in pipe.reason and "leave num_micro unset" in pipe.reason
     three = choose_plan(model, groups(), inputs, num_micro=3)
-    assert math.isfinite(three.kinds[1].time)
+    assert math.isfinite(three.kinds[1].time) and {k.num_micro for k in three.kinds[1:]} == {3}
     _check_argmin(three)
     # a baseline is an SPMD program: the pipeline is not priced
     base = choose_plan(model, groups(), inputs, num_micro=3, synth_options={"baseline": "dp-ev"})
@@ -125,6 +128,32 @@ def test_not_applicable_kinds_and_no_kind_left():
         choose_plan(model, groups(memory="1 KiB"), inputs, num_micro=3)
     with pytest.raises(hapc.HapcError, match="unknown plan kind"):
         choose_plan(model, groups(), inputs, kinds=("megatron",))
+
+
+@pytest.mark.parametrize(("alias", "batch", "between"), [("mlp", 6, "100 MB/s"), ("gpt", 24, "1 GB/s")])
+def test_the_micro_batch_count_is_chosen_by_cost(alias, batch, between):
+    """Without ``num_micro`` the planner prices micro-batch counts that divide the batch (6 rows: the
+    old fixed 8 did not apply at all) and takes the cheapest: the choice equals the least time over
+    every count priced on its own (an exhaustive check of the local search on these two landscapes,
+    where the least over replica counts jumps between odd and even counts), and every entry priced
+    is listed with its count."""
+    from hapc.planner import micro_candidates
+
+    model, inputs = load(alias, batch=batch)
+    cluster = groups(between)
+    choice = choose_plan(model, cluster, inputs, kinds=("pipeline",))
+    _check_argmin(choice)
+    counts = micro_candidates(batch, cluster.num_devices)
+    assert counts == [d for d in range(1, min(batch, 16) + 1) if batch % d == 0]  # 4 devices: up to 4 x 4
+    each = {B: choose_plan(model, cluster, inputs, kinds=("pipeline",), num_micro=B).time for B in counts}
+    assert choice.time == pytest.approx(min(each.values()), rel=1e-12), (choice.describe(), each)
+    priced = [k for k in choice.kinds if k.plan_kind == "pipeline"]
+    assert all(f"[{k.num_micro} micro]" in k.kind for k in priced)
+    chosen = choice.chosen
+    assert choice.plan.num_micro * choice.plan.replicas == chosen.num_micro
+    # the old fixed count is one of those priced, and never better than the choice
+    if batch % 8 == 0:
+        assert choice.time <= each[8]
 
 
 def test_only_the_requested_kinds_are_priced():
