@@ -6,10 +6,14 @@ model of HAP §3.2 (``t(Q, B) = sum_stages comm_i(B) + max_j comp_ij(B_j)``):
 
 * hapc: the planner's choice (:func:`hapc.planner.choose_plan`, issue 14): the least predicted step
   time of the two columns below and of data-parallel replicas of a pipeline (``pipeline xR``, each
-  replica count and layout that tiles the cluster); the cell names the kind;
+  replica count and layout that tiles the cluster), the pipeline's micro-batch count chosen by cost
+  among the batch's divisors (``[B micro]``); the cell names the kind;
 * spmd: HAP alone -- the synthesized program with LP-balanced ratios (A*/DP alternating with the LP);
 * pipeline: HARP alone -- stages over sub-meshes of the groups and hosts (HARP DP, 8 micro-batches),
   each stage an SPMD program on its sub-mesh;
+* Megatron-3D: TP of degree t inside a host x pipeline stages (HARP DP) x R data-parallel replicas,
+  8 micro-batches, degrees searched over what tiles the cluster; each stage the Megatron TP program
+  on its t devices (:func:`megatron_3d`);
 * DP-EV / DP-CP: data parallelism, even / compute-proportional ratios;
 * TP: Megatron tensor parallelism with even shards (column- then row-parallel linears);
 * EP: GShard expert parallelism (DP elsewhere), experts padded to a multiple of the device count
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -53,8 +58,8 @@ from hapc.synth.baselines import expert_parameters
 
 HERE = Path(__file__).resolve().parent
 SIZES = (8, 16, 32, 64)
-METHODS = ("hapc", "spmd", "pipeline", "dp-ev", "dp-cp", "tp", "ep")
-NUM_MICRO = 8  # micro-batches of a pipeline (the global batch is 64 or 32 samples per GPU)
+METHODS = ("hapc", "spmd", "pipeline", "megatron-3d", "dp-ev", "dp-cp", "tp", "ep")
+NUM_MICRO = 8  # micro-batches of the HARP and Megatron-3D columns (hapc searches the count; 64 or 32 samples per GPU)
 ABLATION = ("DP-EV", "+Q", "+B", "+C")
 Factory = Callable[..., tuple[torch.nn.Module, Any]]
 
@@ -140,21 +145,72 @@ def ideal_seconds(graph: Any, cluster: Cluster) -> float:
 
 
 def pipelines(model: torch.nn.Module, inputs: Any, cluster: Cluster, ideal: float) -> tuple[dict, dict]:
-    """The HARP pipeline alone (one replica) and the best pipeline with replicas, as the planner prices them."""
+    """The HARP pipeline alone (one replica, ``NUM_MICRO`` micro-batches) and the best pipeline the
+    planner finds: replicas, and the micro-batch count searched among the batch's divisors
+    (:func:`hapc.planner.search_micro`, which starts at ``NUM_MICRO`` when it divides the batch)."""
     t0 = time.perf_counter()
     try:
-        choice = hapc.choose_plan(model, cluster, inputs, kinds=("pipeline",), num_micro=NUM_MICRO)
+        choice = hapc.choose_plan(model, cluster, inputs, kinds=("pipeline",))
     except HapcError as e:
         return {"error": _short(e)}, {"error": _short(e)}
     seconds = time.perf_counter() - t0
     cells = {}
     for k in choice.kinds:
         if k.plan_kind == "pipeline" and math.isfinite(k.time):
-            cells[k.kind] = {"time": k.time, "efficiency": ideal / k.time, "kind": k.kind, "seconds": seconds}
-    plain = next((k for k in choice.kinds if k.kind == "pipeline"), None)
-    alone = cells.get("pipeline") or {"error": _short(Exception(plain.reason)) if plain else "not priced"}
+            cells[k.kind] = {
+                "time": k.time, "efficiency": ideal / k.time, "kind": k.kind, "seconds": seconds,
+                "num_micro": k.num_micro, "replicas": k.replicas,
+            }  # fmt: skip
+    plain = next((k for k in choice.kinds if k.replicas == 1 and k.num_micro == NUM_MICRO), None)
+    alone = cells.get(plain.kind) if plain else None
+    if alone is None:
+        alone = {"error": _short(Exception(plain.reason)) if plain else f"{NUM_MICRO} micro-batches not priced"}
     best = min(cells.values(), key=lambda c: c["time"]) if cells else alone
     return alone, best
+
+
+def megatron_3d(model: torch.nn.Module, inputs: Any, cluster: Cluster, ideal: float) -> dict[str, Any]:
+    """Megatron-3D under the same cost model: tensor parallelism of degree ``t`` inside a host
+    (each stage one ``t``-device sub-mesh running the Megatron TP program, even shards), pipeline
+    stages placed by the HARP DP (across hosts, and inside one where it pays), ``R``-way data
+    parallel replicas (every count dividing ``NUM_MICRO`` and layout that tiles the cluster);
+    ``NUM_MICRO`` micro-batches. The least over ``t`` (1, 2, 4 .. a host) x ``R`` x layout."""
+    from hapc.pipeline import micro_batches, plan_pipeline
+    from hapc.pipeline.replicas import layouts
+    from hapc.planner import replica_counts
+
+    t0 = time.perf_counter()
+    batch = inputs[0].shape[0]
+    if batch % NUM_MICRO:
+        return {"error": f"the batch of {batch} does not split into {NUM_MICRO} micro-batches"}
+    micro = micro_batches(tuple(inputs), NUM_MICRO, batch)[0]
+    theory = hapc.derive(hapc.trace(model, micro), sfb=True, variants=("padded", "grouped"))
+    per_host = min(min(g.devices_per_host, g.devices) for g in cluster.groups)
+    degrees = [t for t in (1, 2, 4, 8, 16) if t <= per_host and per_host % t == 0]
+    cache: dict[str, Any] = {}
+    best, why = None, "no degree tiles the cluster"
+    for t in degrees:
+        for R in [1, *replica_counts(cluster, NUM_MICRO)]:
+            for layout in layouts(cluster, R) if R > 1 else ["blocked"]:
+                try:
+                    plan = plan_pipeline(
+                        model, cluster, micro, num_micro=NUM_MICRO, theory=theory, replicas=R, layout=layout,
+                        cache=cache, sizes=[t], baseline="tp",
+                    )  # fmt: skip
+                except HapcError as e:
+                    why = _short(e)
+                    continue
+                if best is None or plan.time < best[0].time:
+                    best = (plan, t, R, layout)
+    if best is None:
+        return {"error": why}
+    plan, t, R, layout = best
+    return {
+        "time": plan.time,
+        "efficiency": ideal / plan.time,
+        "kind": f"tp{t} x pp{len(plan.stages)} x dp{R}" + (f" ({layout})" if R > 1 else ""),
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def compare(factory: Factory, kw: dict[str, Any], cluster: Cluster, m: int) -> dict[str, Any]:
@@ -169,6 +225,7 @@ def compare(factory: Factory, kw: dict[str, Any], cluster: Cluster, m: int) -> d
     row["hapc"] = min(
         (c for c in (row["spmd"], best_pipe) if "time" in c), key=lambda c: c["time"], default=row["spmd"]
     )
+    row["megatron-3d"] = megatron_3d(model, inputs, cluster, ideal)
     row["dp-ev"], row["dp-cp"] = price(baseline="dp-ev"), price(baseline="dp-cp")
     row["tp"] = price(baseline="tp")
     row["ep"] = padded_ep(factory, kw, m, cluster) if kw.get("experts") else {"error": "no MoE layer"}
@@ -244,7 +301,7 @@ def _comparison_table(rows: dict[str, Any], methods: tuple[str, ...]) -> list[st
         cells = []
         for meth in methods:
             c = row[meth]
-            cells.append(_ms(c, kind=meth == "hapc"))
+            cells.append(_ms(c, kind=meth in ("hapc", "megatron-3d")))
             if "error" in c and c["error"] != "no MoE layer":
                 notes.setdefault(f"{meth}: {c['error']}", key)
         v = row["verdict"]
@@ -262,6 +319,11 @@ def _efficiency_table(rows: dict[str, Any], methods: tuple[str, ...]) -> list[st
     for key, row in rows.items():
         cells = [f"{row[m]['efficiency'] * 100:.1f}%" if "time" in row[m] else "n/a" for m in methods]
         out.append(f"| {key} | " + " | ".join(cells) + " |")
+    medians = []
+    for m in methods:
+        effs = sorted(row[m]["efficiency"] for row in rows.values() if "time" in row[m])
+        medians.append(f"{statistics.median(effs) * 100:.1f}%" if effs else "n/a")
+    out.append("| median (cells with a plan) | " + " | ".join(medians) + " |")
     return out
 
 
@@ -273,7 +335,10 @@ def markdown(result: dict[str, Any]) -> str:
         "between hosts. TP is pure Megatron tensor parallelism over all GPUs (n/a where a dimension has fewer "
         "whole units than GPUs); EP pads experts to a multiple of the GPU count. hapc is the planner's choice "
         "(its kind in brackets) among spmd (HAP alone), pipeline (HARP alone, 8 micro-batches) and R data-parallel "
-        "replicas of a pipeline (pipeline xR, blocked: a replica on whole hosts; strided: on a share of every host).",
+        "replicas of a pipeline (pipeline xR, blocked: a replica on whole hosts; strided: on a share of every host), "
+        "the pipeline's micro-batch count B chosen by cost among the batch's divisors ([B micro]). megatron-3d: TP of "
+        "degree t inside a host x pipeline stages x R data-parallel replicas, 8 micro-batches, (t, R, layout) searched "
+        "(its degrees in brackets).",
         "",
         *_comparison_table(result["heterogeneous"], METHODS),
         "",
@@ -312,7 +377,7 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "### Homogeneous subset: 32 P100 (HAP Fig. 14)",
         "",
-        *_comparison_table(result["homogeneous"], ("hapc", "spmd", "pipeline", "dp-ev", "tp", "ep")),
+        *_comparison_table(result["homogeneous"], ("hapc", "spmd", "pipeline", "megatron-3d", "dp-ev", "tp", "ep")),
         "",
         "### Ablation (HAP Fig. 15): predicted ms, and throughput relative to DP-EV",
         "",

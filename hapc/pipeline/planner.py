@@ -208,13 +208,20 @@ def cluster_links(cluster: Cluster, names: Sequence[str]) -> Links:
     )
 
 
-def cost_table(coster: StageCoster, layers: Sequence[Layer], names: Sequence[str]) -> CostTable:
+def cost_table(
+    coster: StageCoster, layers: Sequence[Layer], names: Sequence[str], sizes: Sequence[int] | None = None
+) -> CostTable:
+    """Per-layer costs of every (group, sub-mesh size) option; ``sizes``: only these sizes."""
     groups = {g.name: g for g in coster.cluster.groups}
     options, rows = [], []
     for k, name in enumerate(names):
         for n in submesh_sizes(groups[name]):
+            if sizes is not None and n not in sizes:
+                continue
             options.append(Option(k, n))
             rows.append(coster.layer_costs(name, n))
+    if not rows:
+        raise PlanningError(f"no group has a sub-mesh of {list(sizes or [])} devices")
     stack = {key: np.stack([getattr(r, key) for r in rows]) for key in ("fwd", "bwd", "sync", "mem_param", "mem_act")}
     return CostTable(options, **stack, out_bytes=np.array([float(x.out_bytes) for x in layers]))
 
@@ -338,13 +345,19 @@ def plan_pipeline(
     replicas: int = 1,
     layout: str = "blocked",
     cache: dict | None = None,
+    sizes: Sequence[int] | None = None,
+    baseline: str | None = None,
 ) -> PipelinePlan:
     """Plan a HARP pipeline of ``model`` over ``cluster`` (``example_inputs``: one micro-batch).
 
     ``replicas``: ``R`` data-parallel replicas of the pipeline in ``layout``
     (:mod:`hapc.pipeline.replicas`); ``num_micro`` is then the global batch's micro-batch count,
     which ``R`` must divide, and the plan's ``num_micro`` each replica's share. ``cache``: a dict
-    shared by calls for the same theory (stage costs computed once)."""
+    shared by calls for the same theory (stage costs computed once). ``sizes``: the sub-mesh sizes
+    a stage may take (default: 1, 2, 4 .. a host, then whole hosts); ``baseline``: each stage's
+    program restricted to that baseline's triples (:class:`StageCoster`). The Megatron-3D baseline
+    is ``sizes=[t], baseline="tp"`` with ``R`` replicas: TP of degree ``t`` inside a host, stages
+    across hosts, ``R``-way data parallelism."""
     from ..theory import derive, trace
     from .replicas import replica_cluster, sync_seconds_per_byte
 
@@ -363,8 +376,8 @@ def plan_pipeline(
     layers = list(layers) if layers is not None else build_layers(theory.graph, min_compute=min_compute)
     t2 = time.perf_counter()
     names = group_order(cluster, order)
-    coster = StageCoster(theory, layers, cluster, memory_factor=memory_factor, cache=cache)
-    table = cost_table(coster, layers, names)
+    coster = StageCoster(theory, layers, cluster, memory_factor=memory_factor, cache=cache, baseline=baseline)
+    table = cost_table(coster, layers, names, sizes)
     extra = np.zeros_like(table.sync)
     if replicas > 1:  # the all-reduce across replicas: one more once-per-step sync of each stage
         for o, opt in enumerate(table.options):

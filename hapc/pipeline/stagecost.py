@@ -104,19 +104,26 @@ class StageCoster:
         *,
         memory_factor: float = 4.0,
         cache: dict | None = None,
+        baseline: str | None = None,
     ):
         """``cache``: a dict shared by costers of the same theory, layers and memory factor on
         clusters that differ only in how devices are cut into groups and hosts (the replicas of
-        :mod:`hapc.pipeline.replicas`): segment spaces and per-sub-mesh costs are computed once."""
+        :mod:`hapc.pipeline.replicas`): segment spaces and per-sub-mesh costs are computed once.
+        ``baseline``: restrict each stage's program to a baseline's triples on its sub-mesh
+        (:func:`hapc.synth.baselines.restrict`; ``"tp"``: Megatron tensor parallelism, for the
+        Megatron-3D baseline), even ratios as always on a homogeneous sub-mesh."""
         if cluster.virtual != "gpu":
             raise HapcError("pipeline planning needs virtual = 'gpu' clusters (one device per rank)")
         self.theory, self.layers, self.cluster = theory, list(layers), cluster
         self.memory_factor = memory_factor
         self._layer_of: dict[int, int] = {x: layer.index for layer in self.layers for x in layer.nodes}
         shared = cache if cache is not None else {}
-        owner = (id(theory), len(self.layers), memory_factor)
+        owner = (id(theory), len(self.layers), memory_factor, baseline)
+        self.baseline = baseline
         if shared.setdefault("owner", owner) != owner:
-            raise HapcError("a stage-cost cache is shared only by costers of one theory, layer list and memory factor")
+            raise HapcError(
+                "a stage-cost cache is shared only by costers of one theory, layer list, memory factor and baseline"
+            )
         self._spaces: dict[frozenset, SynthSpace] = shared.setdefault("spaces", {})
         # keyed by the sub-cluster a sub-mesh forms: (group, size, devices per host, links)
         self._costs: dict[tuple, LayerCosts] = shared.setdefault("costs", {})
@@ -152,6 +159,10 @@ class StageCoster:
         # one device: every layout costs the same and the replicated program is in every space,
         # so the two-device space (a subset) finds the same optimum without a segmentation of its own
         allowed = self.shardable(max(m, 2))
+        if self.baseline is not None and m > 1:
+            from ..synth.baselines import restrict
+
+            allowed = allowed & frozenset(restrict(self.theory, self.baseline, m))
         if allowed not in self._spaces:
             self._spaces[allowed] = SynthSpace(self.theory, m, "node", set(allowed))
         return self._spaces[allowed]
