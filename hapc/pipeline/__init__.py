@@ -81,7 +81,7 @@ def compile_pipeline(
     example_inputs: Any,
     plan: PipelinePlan | None = None,
     *,
-    num_micro: int = 8,
+    num_micro: int | None = 8,
     schedule: str = "h1f1b",
     emulate: dict[str, Any] | None = None,
     timeout: float | None = None,
@@ -89,7 +89,9 @@ def compile_pipeline(
 ) -> PipelineModule:
     """This rank's stage of ``model`` pipelined over ``cluster`` (planned here when not given).
 
-    ``example_inputs`` is the global batch; it is split into ``num_micro`` equal micro-batches.
+    ``example_inputs`` is the global batch; it is split into ``num_micro`` equal micro-batches
+    (``None``: the count the planner finds cheapest among the batch's divisors,
+    :func:`hapc.planner.choose_plan`).
     ``schedule``: ``"h1f1b"`` (the plan's warm-up counts), ``"1f1b"`` or ``"eager-1f1b"``.
     ``timeout``: seconds after which a pipeline message or collective gives up and raises
     (default: the job's process-group timeout). ``options`` go to each stage's SPMD synthesis
@@ -113,10 +115,14 @@ def compile_pipeline(
     return PipelineModule(model, inputs, spec, emulate=emulate, timeout=timeout, **options)
 
 
-def _agree(model: torch.nn.Module, cluster: Cluster, inputs: tuple, num_micro: int) -> PipelinePlan:
+def _agree(model: torch.nn.Module, cluster: Cluster, inputs: tuple, num_micro: int | None) -> PipelinePlan:
     """Rank 0 plans; everyone receives the plan as JSON."""
 
     def make() -> dict[str, Any]:
+        if num_micro is None:
+            from ..planner import choose_plan
+
+            return choose_plan(model, cluster, inputs, kinds=("pipeline",)).plan.to_json()
         batch = next(x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim())
         micro = micro_batches(inputs, num_micro, batch)[0]
         return plan_pipeline(model, cluster, micro, num_micro=num_micro).to_json()
