@@ -190,15 +190,17 @@ def normalise_modules(gm: fx.GraphModule) -> None:
             continue
         bound = inspect.signature(mod.forward).bind(*node.args, **node.kwargs)
         bound.apply_defaults()
-        before = set(g.nodes)
+        prev = node.prev
         with g.inserting_before(node):
             new = norm(g, mod, node.target, dict(bound.arguments))
         if new is None:
             continue
-        for n in set(g.nodes) - before:  # the new nodes point at the module call's source line
+        n = node.prev
+        while n is not prev:  # the new nodes (inserted just before it) point at the module call's source line
             n.meta["stack_trace"] = node.meta.get("stack_trace")
             if "hapc_region" in node.meta:  # and stay in its torch.utils.checkpoint region
                 n.meta["hapc_region"] = node.meta["hapc_region"]
+            n = n.prev
         node.replace_all_uses_with(new)
         g.erase_node(node)
     g.lint()

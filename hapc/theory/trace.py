@@ -8,7 +8,8 @@ Three steps:
 2. **Shape propagation on the meta device.** Every parameter, buffer and input is replaced by a
    ``meta`` tensor of the same shape and dtype, so a model with billions of parameters -- even one
    built under ``torch.device("meta")`` -- is traced without allocating it. Flops per node come
-   from ``torch.utils.flop_counter`` on the same run.
+   from :mod:`hapc.theory.flops` on the same run (``torch.utils.flop_counter`` for a user's leaf
+   module).
 3. **Specialisation.** Every non-tensor value (sizes, shapes, dtypes, Python arithmetic on them)
    is folded to a constant; tuple-returning ops are split per output (``split``/``chunk`` become
    ``narrow``); nodes that do not reach the loss are dropped.
@@ -29,7 +30,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from .._util import without_gc
 from ..errors import TraceError
@@ -430,14 +430,15 @@ def _trace_fx(model: nn.Module, example_inputs: Any, leaf_modules: Sequence[type
         finally:
             tracer.region = None
 
-    try:
-        with checkpoint_regions(enter):
-            graph = tracer.trace(model, concrete_args=_none_inputs(model, example_inputs))
-    except Exception as exc:
-        raise TraceError(_untraceable_message(model, exc)) from exc
-    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
-    normalise_modules(gm)
-    values, flops = _propagate(gm, model, example_inputs)
+    with _meta_kernels_without_dynamo():
+        try:
+            with checkpoint_regions(enter):
+                graph = tracer.trace(model, concrete_args=_none_inputs(model, example_inputs))
+        except Exception as exc:
+            raise TraceError(_untraceable_message(model, exc)) from exc
+        gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+        normalise_modules(gm)
+        values, flops = _propagate(gm, model, example_inputs)
     return _Builder(gm, model, values, flops, loss=loss).run(capture="fx")
 
 
@@ -528,6 +529,92 @@ def _source(node: fx.Node) -> str:
 
 # --------------------------------------------------------------------------------------------
 # 2. shape propagation on meta tensors
+
+
+_DYNAMO_WRAPPED: list[Any] | None = None  # see _meta_kernels_without_dynamo
+
+
+def _dynamo_wrapped() -> list[Any]:
+    """The functions torch wraps with ``torch._disable_dynamo`` among its Python meta kernels and
+    references (``elementwise_type_promotion_wrapper``: ``cat``, ``where``, ``clamp``, ...), found
+    once by following ``__wrapped__`` from the decomposition/meta tables and the ``torch._refs`` /
+    ``torch._decomp`` / ``torch._prims`` / ``torch._meta_registrations`` modules (a few ms)."""
+    global _DYNAMO_WRAPPED
+    if _DYNAMO_WRAPPED is not None:
+        return _DYNAMO_WRAPPED
+    found: dict[int, Any] = {}
+    try:
+        import torch._compile
+        import torch._decomp
+
+        inner = torch._compile._disable_dynamo(lambda: None).__code__
+        slot = inner.co_freevars.index("fn")
+        roots: list[Any] = [f for table in torch._decomp.global_decomposition_table.values() for f in table.values()]
+        prefixes = ("torch._refs", "torch._decomp", "torch._prims", "torch._meta_registrations")
+        for name, mod in list(sys.modules.items()):
+            if name.startswith(prefixes) and mod is not None:
+                roots.extend(v for v in vars(mod).values() if callable(v))
+        # the wrappers' chain (out_wrapper -> _disable_dynamo's inner -> the promotion wrapper -> the
+        # reference): through __wrapped__ and closures, as functools.wraps may point __wrapped__ past it
+        seen: set[int] = set()
+        todo = [(f, 0) for f in roots]
+        while todo:
+            f, depth = todo.pop()
+            if id(f) in seen or depth > 6:
+                continue
+            seen.add(id(f))
+            code = getattr(f, "__code__", None)
+            if code is None:
+                continue
+            cells = [c.cell_contents for c in (f.__closure__ or ()) if _filled(c)]
+            if code is inner and f.__closure__ and _filled(f.__closure__[slot]):
+                fn = f.__closure__[slot].cell_contents
+                found[id(fn)] = fn
+            wrapped = getattr(f, "__wrapped__", None)
+            todo.extend((g, depth + 1) for g in [wrapped, *cells] if callable(g))
+    except (AttributeError, ImportError, TypeError, ValueError):  # another torch: do without
+        found = {}
+    _DYNAMO_WRAPPED = list(found.values())
+    return _DYNAMO_WRAPPED
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _meta_kernels_without_dynamo() -> Any:
+    """Run torch's Python meta kernels without importing ``torch._dynamo`` (1-2.5 s of a cold
+    ``hapc synth``, with part of ``torch._inductor``).
+
+    Many of them are wrapped by ``torch._disable_dynamo``, which imports ``torch._dynamo`` on a
+    function's first call to build ``torch._dynamo.disable(fn)`` and caches it on the function as
+    ``fn.__dynamo_disable``. While ``torch._dynamo`` has not been imported, no frame can be under
+    dynamo's evaluation, so that wrapper would only call ``fn``: this pre-empts the cache with ``fn``
+    itself for the block and removes it afterwards (a later call, e.g. under ``torch.compile``,
+    builds the real one as before). Where ``torch._dynamo`` is already imported this does nothing."""
+    if "torch._dynamo" in sys.modules:
+        yield
+        return
+    placed = []
+    for fn in _dynamo_wrapped():
+        if getattr(fn, "__dynamo_disable", None) is None:
+            try:
+                fn.__dynamo_disable = fn
+            except (AttributeError, TypeError):
+                continue
+            placed.append(fn)
+    try:
+        yield
+    finally:
+        for fn in placed:
+            if getattr(fn, "__dynamo_disable", None) is fn:
+                with contextlib.suppress(AttributeError):
+                    del fn.__dynamo_disable
 
 
 def _to_meta(value: Any) -> Any:
@@ -656,6 +743,9 @@ def _fast_leaf_value(mod: nn.Module, args: tuple, kwargs: dict) -> Any:
 
 def _flops(node: fx.Node, args: tuple, kwargs: dict, out: Any) -> float:
     if node.op == "call_module":
+        # imported here: torch.utils.flop_counter imports triton (~0.6 s of a cold `hapc synth`)
+        from torch.utils.flop_counter import FlopCounterMode
+
         with FlopCounterMode(display=False) as counter:  # a user's leaf module: count it for real
             _call_leaf(node.graph.owning_module.get_submodule(node.target), args, kwargs)
         return float(counter.get_total_flops())

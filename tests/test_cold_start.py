@@ -1,0 +1,153 @@
+"""The cold start of tracing and synthesis (issue 15): what a fresh process imports, not how long it
+takes (timings are benchmarks/synth_time.py's cold-start table, never asserted here).
+
+Tracing runs torch's Python meta kernels, many wrapped by ``torch._disable_dynamo``, which imports
+``torch._dynamo`` (and part of ``torch._inductor``) on a function's first call; ``hapc.trace``
+pre-empts that for its meta evaluation (``_meta_kernels_without_dynamo``) and imports
+``torch.utils.flop_counter`` (which imports triton) only for a user's leaf module. Each check runs
+in a fresh interpreter, as a ``hapc`` command does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fresh(code: str) -> dict:
+    """The JSON the last line of ``code``'s output holds, run in a fresh interpreter."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+HEAVY = ("torch._dynamo", "torch._inductor", "triton")
+
+
+def test_trace_derive_and_synthesis_import_no_dynamo_inductor_or_triton():
+    # a ViT: conv, cat, layer_norm, gelu, softmax -- Python meta kernels behind torch._disable_dynamo
+    out = _fresh(
+        f"""
+        import json, sys
+        import torch
+        import hapc
+        from hapc import models
+        from hapc.api import synthesize_theory
+        from hapc.cluster import Cluster
+
+        before = {{m: m in sys.modules for m in {HEAVY!r}}}
+        model, inputs = models.vit("tiny", layers=2, batch=8, device="meta")
+        graph = hapc.trace(model, inputs)
+        plan = synthesize_theory(hapc.derive(graph), Cluster.load("hap-testbed"))
+        after = {{m: m in sys.modules for m in {HEAVY!r}}}
+        print(json.dumps({{"before": before, "after": after, "nodes": len(graph), "time": plan.time}}))
+        """
+    )
+    assert out["nodes"] > 20 and out["time"] > 0
+    assert not any(out["before"].values())
+    assert out["after"] == {m: False for m in HEAVY}, out["after"]
+
+
+def test_the_preemption_ends_with_the_trace():
+    """After tracing, torch's wrappers behave as before: the first call of one outside hapc builds
+    ``torch._dynamo.disable(fn)`` (importing dynamo) and caches it, as torch alone does."""
+    out = _fresh(
+        """
+        import json, sys
+        import torch
+        import hapc
+        from hapc import models
+        trace_mod = sys.modules["hapc.theory.trace"]
+
+        model, inputs = models.vit("tiny", layers=1, batch=4, device="meta")
+        hapc.trace(model, inputs)
+        wrapped = trace_mod._dynamo_wrapped()
+        left = [getattr(fn, "__name__", "?") for fn in wrapped if getattr(fn, "__dynamo_disable", None) is fn]
+        dynamo_after_trace = "torch._dynamo" in sys.modules
+        a = torch.empty(2, 3, device="meta")
+        torch.cat([a, a])  # a Python meta kernel behind torch._disable_dynamo, outside hapc
+        cached = [fn for fn in wrapped if getattr(fn, "__dynamo_disable", None) is not None]
+        print(json.dumps({"found": len(wrapped), "left": left, "dynamo_after_trace": dynamo_after_trace,
+                          "dynamo_after_cat": "torch._dynamo" in sys.modules,
+                          "real_cache": all(c.__dynamo_disable is not c for c in cached), "cached": len(cached)}))
+        """
+    )
+    assert out["found"] > 20  # the wrappers were found (else the pre-emption silently does nothing)
+    assert out["left"] == []
+    assert not out["dynamo_after_trace"]
+    assert out["dynamo_after_cat"] and out["cached"] >= 1 and out["real_cache"]
+
+
+def test_a_trace_after_dynamo_was_imported_leaves_torch_alone():
+    out = _fresh(
+        """
+        import json, sys
+        import torch, torch._dynamo
+        import hapc
+        from hapc import models
+        trace_mod = sys.modules["hapc.theory.trace"]
+        model, inputs = models.vit("tiny", layers=1, batch=4, device="meta")
+        graph = hapc.trace(model, inputs)
+        placed = [fn for fn in trace_mod._dynamo_wrapped() if getattr(fn, "__dynamo_disable", None) is fn]
+        print(json.dumps({"nodes": len(graph), "placed": len(placed)}))
+        """
+    )
+    assert out["nodes"] > 10 and out["placed"] == 0
+
+
+def test_a_user_leaf_module_still_counts_its_flops():
+    """``torch.utils.flop_counter`` is imported lazily, where a user's leaf module needs it."""
+    out = _fresh(
+        """
+        import json, sys
+        import torch, torch.nn as nn
+        import hapc
+
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(16, 32)
+            def forward(self, x):
+                return self.fc(x).relu()
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.block = Block()
+            def forward(self, x):
+                return self.block(x).sum()
+
+        before = "torch.utils.flop_counter" in sys.modules
+        graph = hapc.trace(M(), (torch.randn(4, 16),), leaf_modules=[Block])
+        leaf = [n for n in graph.nodes if n.op == "Block" or "Block" in str(n.op)]
+        print(json.dumps({"before": before, "after": "torch.utils.flop_counter" in sys.modules,
+                          "flops": [n.flops for n in leaf]}))
+        """
+    )
+    assert not out["before"] and out["after"]
+    assert out["flops"] == [2 * 4 * 16 * 32], out  # the matmul, counted by FlopCounterMode
+
+
+def test_cli_main_called_by_a_program_leaves_its_garbage_collector_alone():
+    """``hapc``'s own process runs without cyclic collections (cli._without_gc_pauses); a program
+    that calls ``hapc.cli.main([...])`` keeps its collector as it was."""
+    out = _fresh(
+        """
+        import contextlib, gc, io, json
+        from hapc.cli import main
+        frozen = gc.get_freeze_count()
+        with contextlib.redirect_stdout(io.StringIO()):
+            rc = main(["synth", "mlp", "--cluster", "local-cpu:2", "--kind", "spmd"])
+        print(json.dumps({"rc": rc, "enabled": gc.isenabled(), "frozen_added": gc.get_freeze_count() - frozen}))
+        """
+    )
+    assert out == {"rc": 0, "enabled": True, "frozen_added": 0}
