@@ -82,3 +82,25 @@ def test_a_cache_is_not_shared_across_baselines_and_sizes_must_exist():
         StageCoster(theory, layers, hosts(), cache=cache, baseline="tp")
     with pytest.raises(HapcError, match="no group has a sub-mesh of \\[3\\]"):
         plan_pipeline(model, hosts(), micro, num_micro=4, theory=theory, sizes=[3])
+
+
+def test_a_group_without_the_size_is_named():
+    """A 4-device TP degree on a cluster whose second group has 2 devices: no stage can use them."""
+    two = Cluster.from_dict(
+        {
+            "name": "four-and-two",
+            "group": [
+                {"name": "a", "devices": 4, "devices_per_host": 4, "flops": "10 TFLOPS", "memory": "8 GiB"},
+                {"name": "b", "devices": 2, "devices_per_host": 2, "flops": "10 TFLOPS", "memory": "8 GiB"},
+            ],
+            "links": {
+                "intra_host": {"bandwidth": "10 GB/s", "latency": "20 us"},
+                "inter_host": {"bandwidth": "100 MB/s", "latency": "100 us"},
+            },
+        }
+    )
+    model, micro = _micro()
+    with pytest.raises(HapcError, match=r"group 'b' \(2 devices, 2 to a host\) has no sub-mesh of \[4\]"):
+        plan_pipeline(model, two, micro, num_micro=4, sizes=[4], baseline="tp")
+    with pytest.raises(HapcError, match=r"no group has a sub-mesh of \[8\]"):
+        plan_pipeline(model, two, micro, num_micro=4, sizes=[8], baseline="tp")

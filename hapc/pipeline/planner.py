@@ -304,7 +304,13 @@ def load_balance(stages: Sequence[PipelineStage], groups: Sequence[GroupSpec]) -
 def _why_infeasible(table: CostTable, groups: Sequence[GroupSpec], num_micro: int) -> str:
     fewest = 0  # every device is used, a stage per sub-mesh: the fewest stages the groups allow
     for k, g in enumerate(groups):
-        biggest = max(o.size for o in table.options if o.group == k)
+        biggest = max((o.size for o in table.options if o.group == k), default=0)
+        if not biggest:
+            sizes = sorted({o.size for o in table.options})
+            return (
+                f"group {g.name!r} ({g.devices} devices, {g.devices_per_host} to a host) has no sub-mesh of "
+                f"{sizes} devices"
+            )
         fewest += g.devices // biggest + (g.devices % biggest > 0)
     if fewest > table.num_layers:
         return (
