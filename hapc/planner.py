@@ -11,7 +11,9 @@ stages' SPMD programs with :func:`synthesize_theory` from here). It knows two *p
   ``R`` data-parallel replicas of such a pipeline, each on ``1/R`` of the devices with ``1/R`` of
   the micro-batches, gradients all-reduced across replicas (:mod:`hapc.pipeline.replicas`; priced
   for every ``R > 1`` dividing ``num_micro`` and every layout that tiles the cluster, each listed
-  as ``pipeline xR (layout)``).
+  as ``pipeline xR (layout)``). Without a given ``num_micro`` the micro-batch count is chosen by
+  cost too: a local search over the divisors of the batch (:func:`search_micro`,
+  :func:`micro_candidates`), every count it prices listed (``pipeline xR (layout) [B micro]``).
 
 :func:`choose_plan` prices every kind that applies and picks the least predicted step time.
 
