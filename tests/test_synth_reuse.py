@@ -82,3 +82,17 @@ def test_branch_and_bound_finds_the_plain_optimum_with_fewer_searches():
         assert abs(bounded.cost - plain.cost) <= 1e-12 * plain.cost
         assert abs(program_cost(theory, model, bounded.parts, ratios) - bounded.cost) <= 1e-12 * bounded.cost
         assert bounded.searches <= plain.searches
+
+
+def test_deepened_bounds_find_the_plain_optimum_where_the_beam_is_poor():
+    """On 8 devices (communication dominates) with the poorest first pass (``beam=1``), the exact
+    passes deepen their bound from the lower bound: every pass before the last finds nothing, the
+    last finds the plain DP's optimum, and a repeated layer's cached block from a lower-bound pass
+    is not reused under a higher one."""
+    for n in (2, 3):
+        theory, model, ratios, plain = _synth(n, "hap-testbed:8")
+        *_, deep = _synth(n, "hap-testbed:8", beam=1)
+        assert len(deep.bounds) >= 2 and deep.bounds == sorted(deep.bounds), deep.bounds
+        assert abs(deep.cost - plain.cost) <= 1e-12 * plain.cost
+        assert deep.cost <= deep.bounds[-1] * (1 + 1e-9)
+        assert abs(program_cost(theory, model, deep.parts, ratios) - deep.cost) <= 1e-12 * deep.cost
