@@ -62,8 +62,9 @@ def _without_gc_pauses(ns: argparse.Namespace) -> None:
     collections would rescan torch's and hapc's modules and the model each time (0.2-0.5 s of a cold
     ``hapc synth`` on ViT-24, the interpreter's last one at exit included); trace, derive and
     synthesis pause the collector anyway (``hapc._util.without_gc``), and reference counting still
-    frees everything acyclic. :func:`main` freezes what is left at the end, so that the collection
-    the interpreter runs at exit skips it."""
+    frees everything acyclic. The interpreter's own collection at exit still runs: freezing the heap
+    to skip it left extension objects unfreed, and nanobind (triton's bindings, imported on the
+    pipeline planning path) printed hundreds of "leaked instance" lines after every command."""
     if getattr(ns, "entry", False):
         import gc
 
@@ -543,11 +544,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HapcError as exc:
         print(f"hapc: error: {exc}", file=sys.stderr)
         return 2
-    finally:
-        if ns.entry:  # everything is freed at exit: the interpreter's last collection need not scan it
-            import gc
-
-            gc.freeze()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,15 @@ The papers' models: HAP's VGG19 (``vgg19``, 133 * 2**20 parameters as in HAP Tab
 (``vit-hap``, 8 layers = 54 * 2**20), BERT-Base (``bert-base``) and BERT-MoE (``bert-moe-base``; any
 ``experts``); GPT-1.3B ... 39B (Metis, HARP); Wide-ResNet 1B ... 6.8B (Metis Table 2). Each module's
 docstring says how its size compares with the paper's.
+
+Batches: HAP's weak scaling for its models (64 samples per GPU, BERT-MoE 32; ``vgg19``,
+``vit-hap`` at one GPU's share). ``gpt-1.3b`` is a training step of 16 sequences of 2048 tokens
+(32K tokens): one sequence per GPU of ``hap-testbed:16`` (issue 14's cell), and the global batch
+of Metis's GPT-3 microbenchmark and of HetAuto's resharding study (both 16). A batch of one is
+not a training workload: its pipeline has a single micro-batch (14.8 % predicted efficiency on
+hap-testbed:16 at best; 2.9 % when it was SPMD across the 10 Gbps link). Much more does not fit
+SPMD in fp32 without recomputation (16 sequences on 8 V100s need 40.6 GiB each) -- HARP's 1024
+sequences are ``--arg batch=1024``, for pipelines. The larger GPTs keep a batch of one.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ ZOO: dict[str, Callable[..., Any]] = {
     "moe": moe_block,
     "gpt": functools.partial(gpt, "tiny"),
     "gpt-small": functools.partial(gpt, "small"),
-    "gpt-1.3b": functools.partial(gpt, "1.3b", batch=1, device="meta"),
+    "gpt-1.3b": functools.partial(gpt, "1.3b", batch=16, device="meta"),
     "gpt-2.7b": functools.partial(gpt, "2.7b", batch=1, device="meta"),
     "gpt-6.7b": functools.partial(gpt, "6.7b", batch=1, device="meta"),
     "gpt-13b": functools.partial(gpt, "13b", batch=1, device="meta"),
