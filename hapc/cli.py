@@ -342,8 +342,11 @@ def _synth_pipeline(
     console.print(f"step time: Eq. 12 {plan.time * 1e3:.3f} ms, simulated {sim.step_time * 1e3:.3f} ms")
     if len(plan.stages) > 1:
         console.print(policy_table(compare_policies(fwd, bwd, comm, plan.num_micro, clamp=True)))
-    chrome_trace(sim, ns.trace)
-    console.print(f"trace of the replay written to {ns.trace} (open in https://ui.perfetto.dev)")
+    if ns.trace:
+        chrome_trace(sim, ns.trace)
+        console.print(f"trace of the replay written to {ns.trace} (open in https://ui.perfetto.dev)")
+    else:
+        console.print("--trace FILE writes a Chrome trace of the replay (open in https://ui.perfetto.dev)")
     if ns.json:
         Path(ns.json).write_text(plan.dumps())
         console.print(f"pipeline plan written to {ns.json}")
@@ -503,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     y.add_argument("--pipeline", action="store_true", help="same as --kind pipeline")
     y.add_argument("--micro", type=_positive_int, default=8, help="micro-batches per step of a pipeline")
-    y.add_argument("--trace", default="pipeline_trace.json", help="Chrome trace of the simulated step (--pipeline)")
+    y.add_argument("--trace", metavar="FILE", help="write a Chrome trace of a pipeline's simulated step to FILE")
     y.set_defaults(fn=cmd_synth)
 
     f = sub.add_parser("profile", help="measure the running cluster (under torchrun) and write a cluster file")

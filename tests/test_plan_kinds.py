@@ -229,7 +229,8 @@ def test_cli_kinds_match_the_planner():
     assert CLI_KINDS == KINDS
 
 
-def test_synth_lists_the_kinds_considered(capsys, tmp_path):
+def test_synth_lists_the_kinds_considered(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     assert main(["synth", "gpt", "--cluster", "local-cpu:3", "--arg", "batch=8"]) == 0
     out = capsys.readouterr().out
     assert "plan kinds considered" in out
@@ -247,3 +248,8 @@ def test_synth_lists_the_kinds_considered(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "plan kinds considered" in out and "pipelined on" in out and "Eq. 12 step time" in out
     assert out.index("plan kinds considered") < out.index("pipelined on")
+    assert trace.exists() and "traceEvents" in trace.read_text()
+    # a planning command writes no file unless asked (--trace FILE)
+    assert main(["synth", "gpt", "--cluster", str(path), "--arg", "batch=8"]) == 0
+    assert "--trace FILE" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["slow.toml", "trace.json"]
