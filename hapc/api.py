@@ -91,7 +91,7 @@ def compile(
     init: Any = None,
     timeout: float | None = None,
     pipeline: bool | None = None,
-    num_micro: int = 8,
+    num_micro: int | None = None,
     schedule: str = "h1f1b",
     loss_sync: str = "lazy",
     capture: str = "auto",
@@ -132,7 +132,10 @@ def compile(
             or ``ratios``) leave the pipeline out. A pipelined result is a
             :class:`~hapc.pipeline.PipelineModule`: train with ``loss = module.train_step(*batch)``
             (forward and backward of ``num_micro`` micro-batches by ``schedule``: ``"h1f1b"``,
-            ``"1f1b"`` or ``"eager-1f1b"``), then step the optimizer.
+            ``"1f1b"`` or ``"eager-1f1b"``), then step the optimizer. ``num_micro``: the pipeline's
+            micro-batch count; default (``None``): the planner's cheapest among the divisors of the
+            batch (:func:`hapc.planner.search_micro`); a count that does not divide the batch is
+            refused (HapcError).
         loss_sync: when the all-reduce of the returned loss's value starts. ``"lazy"`` (default;
             gloo): at its first read, right before the backward's first gradient bucket, at the
             next call of a hapc module or 50 ms after the forward, whichever is first
@@ -344,7 +347,7 @@ def _compile_pipeline(
     cluster: Cluster,
     example_inputs: Any,
     plan: Any,
-    num_micro: int,
+    num_micro: int | None,
     schedule: str,
     timeout: float | None,
     options: dict[str, Any],
@@ -419,7 +422,7 @@ def _agree_on_choice(
     options: dict[str, Any],
     theory_opts: dict[str, Any],
     kinds: Sequence[str],
-    num_micro: int,
+    num_micro: int | None,
     blocked: str | None,
 ) -> tuple[str, Any, list[dict[str, Any]]]:
     """Rank 0 prices the plan kinds (:func:`hapc.planner.choose_plan`) and everyone receives the

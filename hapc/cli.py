@@ -327,6 +327,12 @@ def _synth_pipeline(
     from .pipeline.schedule import grid, schedule
     from .pipeline.simulate import chrome_trace, compare_policies, policy_table, simulate
 
+    if plan is None and ns.micro is None:  # the planner's micro-batch search, the pipeline kind only
+        from .planner import choose_plan, kinds_table
+
+        choice = choose_plan(model, cluster, inputs, kinds=("pipeline",))
+        console.print(kinds_table(choice.kinds))
+        plan = choice.plan
     if plan is None:
         batch = next(x.shape[0] for x in inputs if hasattr(x, "shape") and x.dim())
         plan = plan_pipeline(model, cluster, micro_batches(inputs, ns.micro, batch)[0], num_micro=ns.micro)
@@ -505,7 +511,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan kind: auto (default) prices HAP SPMD and a HARP pipeline and takes the faster",
     )
     y.add_argument("--pipeline", action="store_true", help="same as --kind pipeline")
-    y.add_argument("--micro", type=_positive_int, default=8, help="micro-batches per step of a pipeline")
+    y.add_argument(
+        "--micro",
+        type=_positive_int,
+        default=None,
+        help="micro-batches per step of a pipeline (default: the cheapest among the batch's divisors)",
+    )
     y.add_argument("--trace", metavar="FILE", help="write a Chrome trace of a pipeline's simulated step to FILE")
     y.set_defaults(fn=cmd_synth)
 

@@ -283,16 +283,19 @@ def pipeline_blocker(
     batch = _batch_size(example_inputs)
     if batch is None:
         return "no input has a batch dimension to split into micro-batches"
-    if num_micro is not None and batch % num_micro:
-        divisors = ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0)
-        return (
-            f"the batch of {batch} does not split into {num_micro} equal micro-batches (num_micro); "
-            f"give a num_micro that divides it ({divisors}) or leave num_micro unset for the planner to choose"
-        )
     norms = [q for q, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
     if norms:
         return f"batch norm {norms[0]!r} in training mode would normalise each micro-batch on its own"
     return None
+
+
+def micro_mismatch(batch: int, num_micro: int) -> str:
+    """The refusal of a ``num_micro`` that does not divide the batch, naming the fix."""
+    divisors = ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0)
+    return (
+        f"the batch of {batch} does not split into {num_micro} equal micro-batches (num_micro); "
+        f"give a num_micro that divides it ({divisors}) or leave num_micro unset for the planner to choose"
+    )
 
 
 def _batch_size(example_inputs: Any) -> int | None:
@@ -384,7 +387,7 @@ def choose_plan(
 
     ``example_inputs`` is the global batch (the pipeline splits it into ``num_micro``
     micro-batches). ``num_micro``: the pipeline's micro-batch count, fixed (a count that does not
-    divide the batch leaves the pipeline out, "not applicable"); ``None`` (default): chosen by
+    divide the batch is refused: HapcError naming the divisors); ``None`` (default): chosen by
     predicted step time among the divisors of the batch (:func:`micro_candidates`) by a local
     search from the largest divisor up to :data:`START_MICRO` (:func:`search_micro`) -- each count
     priced with every replica count, and every pipeline entry priced is listed (``[B micro]`` in its
@@ -399,6 +402,7 @@ def choose_plan(
 
     Raises:
         InfeasibleError: no kind can run; the message gives each kind's reason.
+        HapcError: an explicit ``num_micro`` that does not divide the batch (where a pipeline applies).
     """
     from .theory import derive, trace
 
@@ -448,6 +452,8 @@ def choose_plan(
             out.append(KindEstimate(kind, "not applicable", reason=blocker))
             continue
         batch = _batch_size(example_inputs)
+        if num_micro is not None and batch is not None and batch % num_micro:  # an explicit count: an override
+            raise HapcError(micro_mismatch(batch, num_micro))
         assert batch is not None  # pipeline_blocker checked
         if num_micro is not None:
             counts, start = [num_micro], num_micro
