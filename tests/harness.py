@@ -121,3 +121,25 @@ def check_plan(
         assert_close(res["losses"], ref["losses"], dtype, f"rank {rank} losses")
         assert_close(res["state"], ref["state"], dtype, f"rank {rank} state")
     return results
+
+
+def two_groups(name: str = "two-groups") -> Any:
+    """Two one-device groups (20 and 10 TFLOPS) joined by a slow link (100 MB/s): the planner
+    pipelines over them."""
+    from hapc.cluster import Cluster
+
+    link = {"bandwidth": "10 GB/s", "latency": "20 us"}
+    return Cluster.from_dict(
+        {
+            "name": name,
+            "group": [
+                {"name": g, "devices": 1, "devices_per_host": 1, "flops": f, "memory": "8 GiB"}
+                for g, f in (("fast", "20 TFLOPS"), ("slow", "10 TFLOPS"))
+            ],
+            "links": {
+                "intra_host": link,
+                "inter_host": link,
+                "between": [{"groups": ["fast", "slow"], "bandwidth": "100 MB/s", "latency": "100 us"}],
+            },
+        }
+    )

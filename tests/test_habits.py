@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from harness import assert_close
+from harness import assert_close, two_groups
 from torch import nn
 
 import hapc
@@ -338,31 +338,10 @@ def test_ranks_given_the_same_masked_targets_train_exactly(world, kind):
         assert_close(grads, want, F64, "grads")
 
 
-def _two_groups():
-    """Two one-device groups joined by a slow link: hapc.compile pipelines over them."""
-    from hapc.cluster import Cluster
-
-    link = {"bandwidth": "10 GB/s", "latency": "20 us"}
-    return Cluster.from_dict(
-        {
-            "name": "two-groups",
-            "group": [
-                {"name": g, "devices": 1, "devices_per_host": 1, "flops": f, "memory": "8 GiB"}
-                for g, f in (("fast", "20 TFLOPS"), ("slow", "10 TFLOPS"))
-            ],
-            "links": {
-                "intra_host": link,
-                "inter_host": link,
-                "between": [{"groups": ["fast", "slow"], "bandwidth": "100 MB/s", "latency": "100 us"}],
-            },
-        }
-    )
-
-
 def _pipeline_original(rank, world):
     torch.set_num_threads(1)
     model, inputs = models.load("gpt", batch=8, dtype=F64)
-    pm = hapc.compile(model, _two_groups(), inputs, num_micro=4)
+    pm = hapc.compile(model, two_groups(), inputs, num_micro=4)
     assert type(pm).__name__ == "PipelineModule"
     opt = torch.optim.SGD(pm.parameters(), lr=0.05, momentum=0.9)
     for _ in range(2):
@@ -388,7 +367,7 @@ def test_pipelined_original_model_raises_until_unwrapped():
 def _pipeline_masked_targets(rank, world, same):
     torch.set_num_threads(1)
     model, (idx, targets) = models.load("gpt", batch=8, dtype=F64)
-    pm = hapc.compile(model, _two_groups(), (idx, targets), num_micro=4)
+    pm = hapc.compile(model, two_groups(), (idx, targets), num_micro=4)
     g = torch.Generator().manual_seed(0 if same else 1 + rank)
     masked = targets.masked_fill(torch.rand(targets.shape, generator=g) < 0.3, -100)
     if same:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from harness import two_groups
 
 from hapc.planner import START_MICRO, micro_candidates, search_micro
 
@@ -75,26 +76,6 @@ def test_it_stops_at_a_local_minimum_and_prices_little():
 # -- the runtime runs the count the planner chose ------------------------------------------------------
 
 
-def _two_groups():
-    from hapc.cluster import Cluster
-
-    link = {"bandwidth": "10 GB/s", "latency": "20 us"}
-    return Cluster.from_dict(
-        {
-            "name": "two-groups-slow",
-            "group": [
-                {"name": g, "devices": 1, "devices_per_host": 1, "flops": f, "memory": "8 GiB"}
-                for g, f in (("fast", "20 TFLOPS"), ("slow", "10 TFLOPS"))
-            ],
-            "links": {
-                "intra_host": link,
-                "inter_host": link,
-                "between": [{"groups": ["fast", "slow"], "bandwidth": "100 MB/s", "latency": "100 us"}],
-            },
-        }
-    )
-
-
 def _searched_job(rank, world):
     import torch
 
@@ -104,7 +85,7 @@ def _searched_job(rank, world):
     torch.set_num_threads(1)
     model, inputs = load("gpt", batch=6, dtype=torch.float64)  # 6 rows: the old fixed 8 does not divide
     ref = float(model(*inputs))
-    pm = compile_pipeline(model, _two_groups(), inputs, num_micro=None)
+    pm = compile_pipeline(model, two_groups("two-groups-slow"), inputs, num_micro=None)
     return {"num_micro": pm.spec.num_micro, "loss": float(pm.train_step(*inputs)), "ref": ref}
 
 
@@ -116,7 +97,7 @@ def test_compile_pipeline_runs_the_chosen_count():
     from hapc.testing import run_distributed
 
     model, inputs = load("gpt", batch=6, dtype=torch.float64)
-    choice = choose_plan(model, _two_groups(), inputs, kinds=("pipeline",))
+    choice = choose_plan(model, two_groups("two-groups-slow"), inputs, kinds=("pipeline",))
     want = choice.chosen.num_micro
     assert 6 % want == 0
     results = run_distributed(_searched_job, 2, timeout=300)
