@@ -164,7 +164,8 @@ class Guard:
         model = self.model()
         if model is None or owner is not self.owner:  # a copy of the module (an EMA) is not guarded
             return
-        if tensor_versions(model) != self.model_state and not self.stale():
+        mods = _submodules(model)  # one walk for both checks
+        if tensor_versions(model, mods) != self.model_state and not self.stale():
             raise HapcError(
                 "the model given to hapc.compile was changed after compile (model.load_state_dict(...), an "
                 "initialisation or another in-place update of its parameters or buffers), but the compiled "
@@ -172,7 +173,7 @@ class Guard:
                 "module instead -- module.load_state_dict(state) on every rank, keys as in the model -- or "
                 "change the model before hapc.compile"
             )
-        now = modes(model)
+        now = modes(model, mods)
         if now == self.modes:
             return
         if len(set(now)) > 1:
@@ -252,15 +253,37 @@ class _OwnerTrain:
         return owner
 
 
-def modes(model: nn.Module) -> tuple[bool, ...]:
+def _submodules(model: nn.Module) -> list[nn.Module]:
+    """``list(model.modules())`` -- the same modules in the same order (pre-order, each once) -- without
+    ``named_modules``' prefix strings and generator frames: the guard walks the model before every
+    forward of the module, and torch's walk cost ~0.25 ms a step on a 2-layer GPT (0.5 ms on a rank
+    throttled to half a core), more than the rest of the step's bookkeeping together."""
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        out.append(m)
+        stack.extend(c for c in reversed(m._modules.values()) if c is not None)
+    return out
+
+
+def modes(model: nn.Module, mods: list[nn.Module] | None = None) -> tuple[bool, ...]:
     """Every submodule's ``training`` flag, in ``named_modules`` order."""
-    return tuple(m.training for m in model.modules())
+    return tuple(m.training for m in (mods if mods is not None else _submodules(model)))
 
 
-def tensor_versions(model: nn.Module) -> tuple[tuple[int, int], ...]:
+def tensor_versions(model: nn.Module, mods: list[nn.Module] | None = None) -> tuple[tuple[int, int], ...]:
     """Each parameter's and buffer's identity and version counter: changes with any in-place update
     (``load_state_dict`` copies in place) or a tensor replaced."""
-    return tuple((id(t), t._version) for t in (*model.parameters(), *model.buffers()))
+    out = []
+    for m in mods if mods is not None else _submodules(model):
+        out += [(id(t), t._version) for t in m._parameters.values() if t is not None]
+        out += [(id(t), t._version) for t in m._buffers.values() if t is not None]
+    return tuple(out)
 
 
 def versions(owner: nn.Module) -> tuple[int, ...]:
