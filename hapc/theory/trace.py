@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from .._util import without_gc
 from ..errors import TraceError
+from .cse import merge_common
 from .flops import contraction_flops
 from .graph import BUFFER, INPUT, OP, PARAM, Ref, RefGraph, RefNode, TensorMeta, iter_refs
 from .normalize import NORMALISERS, normalise_modules
@@ -1036,6 +1037,12 @@ class _Builder:
                 f"the model's loss must be a scalar floating-point tensor, got {loss.meta!r} "
                 f"from {loss.source}; reduce it (e.g. .mean() or .sum())"
             )
+        same = merge_common(self.nodes)  # equal pure computations become one node (theory/cse.py)
+        if same:
+            for nd in self.nodes:
+                nd.args, nd.kwargs = _remap((nd.args, nd.kwargs), same, keep_others=True)
+            leaves = [Ref(same.get(r.index, r.index)) if isinstance(r, Ref) else r for r in leaves]
+            out = leaves[index]
         keep = _reachable(self.nodes, out.index)
         remap = {old: new for new, old in enumerate(sorted(keep))}
         nodes = []
@@ -1223,9 +1230,11 @@ def _reachable(nodes: list[RefNode], out: int) -> set[int]:
     return keep
 
 
-def _remap(value: Any, remap: dict[int, int]) -> Any:
+def _remap(value: Any, remap: dict[int, int], keep_others: bool = False) -> Any:
     from .graph import map_refs
 
+    if keep_others:
+        return map_refs(value, lambda r: Ref(remap.get(r.index, r.index)))
     return map_refs(value, lambda r: Ref(remap[r.index]))
 
 
