@@ -6,7 +6,10 @@ is *measured* on those processes by ``hapc.profile`` (as ``hapc profile --local 
 does), so the speeds come from the machine, not from a preset. For each model, in the same
 processes and interleaved in blocks (noise hits all alike):
 
-* **hapc**: the plan ``hapc.synthesize`` picks on the profiled cluster, fed the global batch;
+* **hapc**: the plan ``hapc.synthesize`` picks on the profiled cluster, fed the global batch (the
+  ``plan`` column names the parameters it shards; "DP" when it replicates them all);
+* **hapc DP-CP**: hapc's runtime on its compute-proportional data-parallel plan (``baseline="dp-cp"``):
+  against DDP proportional it measures hapc's runtime alone, against hapc's plan the plan's choice;
 * **DDP even**: ``DistributedDataParallel``, each rank half of the batch (``DistributedSampler``);
 * **DDP proportional**: each rank a share of the batch proportional to its measured speed, the loss
   weighted by ``world * rows / batch`` so that DDP's gradient average is the full-batch gradient
@@ -89,6 +92,20 @@ def _step(module, opt, inputs, weight: float = 1.0):
     return run
 
 
+def _sharded(plan: Any) -> tuple[str, list[str]]:
+    """``("DP", [])`` when the plan replicates every parameter, else ``("TP k/n", [name:S(d), ...])``:
+    how many of its n parameters it shards, and which."""
+    from hapc.theory.instructions import Source
+
+    graph = plan._theory.graph
+    params = {i.ref for i in plan.instructions if isinstance(i, Source) and graph[i.ref].kind == "param"}
+    sharded = sorted(
+        {f"{graph[i.ref].target}:{i.layout}" for i in plan.instructions
+         if isinstance(i, Source) and i.ref in params and not i.layout.is_replicated}
+    )  # fmt: skip
+    return ("DP" if not sharded else f"TP {len(sharded)}/{len(params)}"), sharded
+
+
 def _shares(batch: int, fractions: list[float]) -> list[int]:
     """Rows per rank proportional to ``fractions`` (largest remainders), every rank at least one."""
     raw = [batch * f / sum(fractions) for f in fractions]
@@ -98,10 +115,14 @@ def _shares(batch: int, fractions: list[float]) -> list[int]:
     return rows
 
 
-def _job(rank: int, world: int, spec: str, kwargs: dict, cluster: Cluster, plan: Any, steps: int, flops: list) -> dict:
-    model, inputs = models.load(spec, **kwargs)
-    hap = hapc.compile(model, cluster, inputs, plan=plan)
-    sides: dict[str, Any] = {"hapc": _step(hap, torch.optim.SGD(hap.parameters(), lr=1e-3), inputs)}
+def _job(
+    rank: int, world: int, spec: str, kwargs: dict, cluster: Cluster, plans: dict[str, Any], steps: int, flops: list
+) -> dict:
+    sides: dict[str, Any] = {}
+    for name, plan in plans.items():  # "hapc" first: the loop below counts its steps
+        model, inputs = models.load(spec, **kwargs)
+        hap = hapc.compile(model, cluster, inputs, plan=plan)
+        sides[name] = _step(hap, torch.optim.SGD(hap.parameters(), lr=1e-3), inputs)
     batch = inputs[0].shape[0]
     for name, fractions in (("ddp_even", [1.0] * world), ("ddp_prop", flops)):
         m, _ = models.load(spec, **kwargs)
@@ -191,9 +212,11 @@ def _main(isolation: str | None) -> int:
         plan = hapc.synthesize(model, cluster, inputs)
         synth_s = time.perf_counter() - t0
         dpev = hapc.synthesize(model, cluster, inputs, baseline="dp-ev")
+        dpcp = hapc.synthesize(model, cluster, inputs, baseline="dp-cp")
+        plans = {"hapc": plan, "hapc_dpcp": dpcp}
         per_round = []
         for _ in range(rounds):
-            res = run_distributed(_job, 2, spec, kwargs, cluster, plan, steps, flops, speeds=SPEEDS, timeout=900)
+            res = run_distributed(_job, 2, spec, kwargs, cluster, plans, steps, flops, speeds=SPEEDS, timeout=900)
             per_round.append(res[0])  # timed between barriers: every rank sees the slower rank's step
         med = {
             k: statistics.median(statistics.median(r[k]) for r in per_round)
@@ -204,9 +227,12 @@ def _main(isolation: str | None) -> int:
             "model": name,
             "batch": inputs[0].shape[0],
             "ratios": [round(r, 3) for r in plan.device_ratios],
+            "plan": _sharded(plan)[0],
+            "sharded_params": _sharded(plan)[1],
             "synth_s": synth_s,
             "predicted_hapc_s": plan.time,
             "predicted_dpev_s": dpev.time,
+            "predicted_dpcp_s": dpcp.time,
             "predicted_speedup": dpev.time / plan.time,
             "ddp_prop_rows": per_round[0]["ddp_prop_rows"],
             "fsdp2": per_round[0].get("fsdp2") if isinstance(per_round[0].get("fsdp2"), str) else None,
@@ -214,18 +240,21 @@ def _main(isolation: str | None) -> int:
         }
         row["measured_speedup_vs_ddp_even"] = med["ddp_even"] / med["hapc"]
         row["hapc_over_ddp_prop"] = med["hapc"] / med["ddp_prop"]
+        row["hapc_dpcp_over_ddp_prop"] = med["hapc_dpcp"] / med["ddp_prop"]
         row["measured_over_predicted"] = row["measured_speedup_vs_ddp_even"] / row["predicted_speedup"]
         if "fsdp2" in med:
             row["hapc_over_fsdp2"] = med["hapc"] / med["fsdp2"]
         rows.append(row)
     table = Table(title="hapc vs DDP on ranks at 1.0 and 0.5 of a core (EMULATED speeds, measured steps)")
-    for col in ("model", "hapc s", "DDP even s", "DDP prop s", "FSDP2 s", "hapc/DDP even", "hapc/DDP prop",
-                "speedup pred", "speedup meas", "meas/pred"):  # fmt: skip
+    for col in ("model", "plan", "hapc s", "hapc DP-CP s", "DDP even s", "DDP prop s", "FSDP2 s", "hapc/DDP even",
+                "hapc/DDP prop", "speedup pred", "speedup meas", "meas/pred"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
             r["model"],
+            r["plan"],
             f"{r['hapc_s'] * 1e3:.1f} ms",
+            f"{r['hapc_dpcp_s'] * 1e3:.1f} ms",
             f"{r['ddp_even_s'] * 1e3:.1f} ms",
             f"{r['ddp_prop_s'] * 1e3:.1f} ms",
             f"{r['fsdp2_s'] * 1e3:.1f} ms" if "fsdp2_s" in r else "n/a",
@@ -236,6 +265,9 @@ def _main(isolation: str | None) -> int:
             f"{r['measured_over_predicted']:.2f}",
         )
     console.print(table)
+    for r in rows:
+        if r["sharded_params"]:
+            console.print(f"hapc's plan for {r['model']} shards {', '.join(r['sharded_params'])}")
     for r in rows:
         if r["fsdp2"]:
             console.print(f"FSDP2 on {r['model']}: {r['fsdp2']}")

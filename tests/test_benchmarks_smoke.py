@@ -88,8 +88,9 @@ def _check_printed(script: str, stdout: str, result: dict) -> None:
             return
         assert "EMULATED" in stdout
         for row in result["rows"]:
-            assert row["hapc_s"] > 0 and row["ddp_even_s"] > 0 and row["ddp_prop_s"] > 0
+            assert row["hapc_s"] > 0 and row["ddp_even_s"] > 0 and row["ddp_prop_s"] > 0 and row["hapc_dpcp_s"] > 0
             assert f"{row['measured_speedup_vs_ddp_even']:.2f}" in stdout, row["model"]
+            assert (row["plan"] == "DP") == (not row["sharded_params"]), row["plan"]
     elif script == "uneven_experts.py":
         assert "Uneven experts" in stdout
         for link in result["links"]:
