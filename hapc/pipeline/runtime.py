@@ -27,9 +27,12 @@ Sends never block and receives do, which the schedules are proven deadlock-free 
 action every rank issues its sends before it waits. A sent tensor is held only until a later
 message proves it received (:class:`_Step`), not to the step's end, so a stage's memory during a
 step is bounded by its in-flight micro-batches, not by their number. Messages go to the process
-group as they are (no copy, no header) unless links are emulated; activations land in buffers
-reused across micro-batches and steps. (Receiving the next message ahead, into its own buffer, was
-measured slower on gloo: 4-13 % at 32 micro-batches of the benchmark ``pipeline_peer``.)
+group as they are (no copy, no header) unless links are emulated; activations and output gradients
+land in buffers reused across micro-batches and steps (no allocation per message). Receiving the
+next message ahead, into its own buffer, was measured slower on gloo (4-13 % at 32 micro-batches of
+the benchmark ``pipeline_peer``) and again not faster on 2026-11-26 (A/B in the same processes,
+load 6-10: 1.044 against 0.989 of torch's step at 32 micro-batches; within the noise at 8), so
+receives are posted when the schedule reaches them, as ``Schedule1F1B`` posts its own.
 
 The loss of micro-batch ``m`` is seeded with its weight in the batch loss
 (:func:`~hapc.pipeline.stages.loss_weighting`): ``1/M`` for a mean over equal micro-batches,
@@ -257,6 +260,7 @@ class PipelineModule(nn.Module):
         # the warm-up counts as the action lists run them (capped by the micro-batch count)
         self._warm = [min(w, self.replica_micro) for w in spec.warmups]
         self._pool: list[torch.Tensor] = []  # activation receive buffers, reused across micro-batches and steps
+        self._grad_pool: list[torch.Tensor] = []  # output-gradient receive buffers, likewise
         # emulated links, as (stage, stage + 1) pairs; all of them unless ``emulate["between"]`` says
         self._slow_links = {tuple(p) for p in (emulate or {}).get("between", zip(range(S), range(1, S)))}
         # state_dict names (and shapes) of the parameters and buffers each stage holds
@@ -389,11 +393,15 @@ class PipelineModule(nn.Module):
             return msg[:numel].view(shape)
         return out.copy_(msg[:numel].view(shape))
 
-    def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A receive buffer for incoming activations: one a finished micro-batch gave back, or a new one."""
-        for i, b in enumerate(self._pool):
+    def _buffer(
+        self, shape: tuple[int, ...], dtype: torch.dtype, pool: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """A receive buffer (activations; output gradients from ``pool=self._grad_pool``): one a
+        finished micro-batch gave back, or a new one."""
+        pool = self._pool if pool is None else pool
+        for i, b in enumerate(pool):
             if b.shape == shape and b.dtype == dtype:
-                return self._pool.pop(i)
+                return pool.pop(i)
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     def _arrival(self, dst: int, nbytes: int) -> float:
@@ -507,6 +515,7 @@ class _Step:
         self.raw: dict[int, torch.Tensor] = {}  # their receive buffers, back to the pool after the backward
         self.outs: dict[int, torch.Tensor] = {}  # outputs awaiting their backward
         self.grads: dict[int, torch.Tensor] = {}  # received output gradients
+        self.grad_raw: dict[int, torch.Tensor] = {}  # their receive buffers, back to the pool after the backward
         self.back: dict[int, torch.Tensor] = {}  # input gradients awaiting their send
         self.sends: list[tuple[Any, torch.Tensor]] = []  # every send not yet released
         self.act_sends: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # across the link, by micro-batch
@@ -584,8 +593,8 @@ class _Step:
         """The gradient of this rank's rows (a replicated output: the first rank's, then broadcast)."""
         pm, cut, me = self.pm, self.pm.outbound, dist.get_rank()
         out = self.outs[m]
-        if cut.replicated:
-            g = torch.empty(out.shape, dtype=out.dtype, device=pm.device)
+        if cut.replicated:  # every rank of the stage receives (the first) or is broadcast the whole gradient
+            g = self.grad_raw[m] = pm._buffer(tuple(out.shape), out.dtype, pm._grad_pool)
             for rt in cut.routes:
                 if rt.src == me:
                     pm._recv((rt.hi - rt.lo, cut.features), cut.dtype, rt.relay, _GRAD, g.view(-1, cut.features))
@@ -594,9 +603,12 @@ class _Step:
         else:
             rows = out.numel() // cut.features
             routes = [rt for rt in cut.routes if rt.src == me]
-            g = (torch.empty if routes else torch.zeros)((rows, cut.features), dtype=out.dtype, device=pm.device)
-            for rt in routes:  # one at most: a rank holds one slice
-                pm._recv((rt.hi - rt.lo, cut.features), cut.dtype, rt.relay, _GRAD, g)
+            if routes:  # one at most: a rank holds one slice
+                g = self.grad_raw[m] = pm._buffer((rows, cut.features), out.dtype, pm._grad_pool)
+                for rt in routes:
+                    pm._recv((rt.hi - rt.lo, cut.features), cut.dtype, rt.relay, _GRAD, g)
+            else:
+                g = torch.zeros((rows, cut.features), dtype=out.dtype, device=pm.device)
             g = g.view(out.shape)
         self.grads[m] = g
         # its gradient is back: the next stage received activation m
@@ -618,6 +630,8 @@ class _Step:
         else:
             out.backward(seed)
         del out, seed
+        if m in self.grad_raw:  # the backward has read the received gradient: its buffer serves the next one
+            pm._grad_pool.append(self.grad_raw.pop(m))
         if self.prev is not None:
             x = self.acts.pop(m)
             self.back[m] = x.grad if x.grad is not None else torch.zeros_like(x)
