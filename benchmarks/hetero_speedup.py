@@ -176,7 +176,7 @@ def _main(isolation: str | None) -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--quick", action="store_true", help="small models, few steps (smoke test)")
     args = ap.parse_args()
-    console = Console()
+    console = Console(width=max(Console().width, 160))  # the table is 150 wide
     load = os.getloadavg()[0]
     method = emulate.how()
     if method is None:
@@ -248,7 +248,7 @@ def _main(isolation: str | None) -> int:
     table = Table(title="hapc vs DDP on ranks at 1.0 and 0.5 of a core (EMULATED speeds, measured steps)")
     for col in ("model", "plan", "hapc s", "hapc DP-CP s", "DDP even s", "DDP prop s", "FSDP2 s", "hapc/DDP even",
                 "hapc/DDP prop", "speedup pred", "speedup meas", "meas/pred"):  # fmt: skip
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", min_width=11 if col == "model" else None)
     for r in rows:
         table.add_row(
             r["model"],
