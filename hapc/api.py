@@ -36,6 +36,7 @@ def synthesize(
     capture: str = "auto",
     loss: str | int | None = None,
     progress: Progress | None = None,
+    time_limit: float | None = None,
 ) -> Plan:
     """Synthesize the distributed program and sharding ratios for ``model`` on ``cluster``.
 
@@ -54,6 +55,10 @@ def synthesize(
         memory: respect each device's memory.
         strict / sfb / variants / param_comm: passed to :func:`hapc.derive`.
         capture / loss: passed to :func:`hapc.trace` (how the model is captured; which output is the loss).
+        time_limit: seconds the program search may take (off by default: the search is exact).
+            When they run out, the best program found so far is used and the plan says so:
+            ``plan.predicted["proven_optimal"]`` is False and ``plan.predicted["optimality_gap"]``
+            bounds how far above the optimum it may be (see :mod:`hapc.synth.synthesizer`).
     """
     from .theory import derive, trace
 
@@ -75,6 +80,7 @@ def synthesize(
         progress=progress,
         timings={"trace": t1 - t0, "derive": t2 - t1},
         options={"sfb": sfb, "variants": list(variants), "param_comm": param_comm, "strict": strict},
+        time_limit=time_limit,
     )
 
 

@@ -264,6 +264,7 @@ def cmd_synth(ns: argparse.Namespace) -> int:
             "solver": ns.solver,
             "baseline": ns.baseline,
             "memory": not ns.no_memory,
+            "time_limit": ns.time_limit,
         },
         progress=progress,
     )
@@ -452,6 +453,16 @@ def tomllib_loads(text: str) -> dict[str, Any]:
     return tomllib.loads(text)
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -502,6 +513,14 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--segments", default="node", choices=["node", "blocks", "none"], help="search decomposition")
     y.add_argument("--rounds", type=_positive_int, default=4, help="synthesis / LP alternations")
     y.add_argument("--solver", default="cbc", choices=["cbc", "highs"], help="LP solver")
+    y.add_argument(
+        "--time-limit",
+        type=_positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="stop the exact program search after SECONDS and keep the best program found, marked "
+        "unproven (default: no limit, the proven optimum)",
+    )
     y.add_argument("--no-memory", action="store_true", help="ignore device memory limits")
     y.add_argument("--emit-code", metavar="DIR", help="write DIR/rank{r}.py for every rank and DIR/plan.json")
     y.add_argument(

@@ -236,11 +236,20 @@ class Plan:
         p = self.predicted
         head = f"Plan for {self.cluster_name}" + (f" (baseline {self.baseline})" if self.baseline else "")
         ratios = ", ".join(f"{t['name']}x{t['count']}: {r:.4g}" for t, r in zip(self.device_types, self.ratios))
-        return (
+        text = (
             f"{head}: predicted {p['time'] * 1e3:.4g} ms/iteration "
             f"(compute {p['comp'] * 1e3:.4g} ms, communication {p['comm'] * 1e3:.4g} ms, gradients "
             f"{p['gradients'] * 1e3:.4g} ms), efficiency {self.efficiency:.1%}; ratios per device [{ratios}]"
-        ) + (f"\n{kinds_line(p['kinds'])}" if p.get("kinds") else "")
+        )
+        if p.get("kinds"):
+            text += f"\n{kinds_line(p['kinds'])}"
+        if p.get("proven_optimal") is False:
+            text += (
+                "\nnot proven optimal: the time limit stopped the program search; its program costs at most "
+                f"{p.get('optimality_gap', float('nan')):.3g}x the optimum at the ratios it searched (raise "
+                "time_limit, or leave it unset for the proven optimum)"
+            )
+        return text
 
 
 def kinds_line(kinds: Sequence[dict[str, Any]]) -> str:

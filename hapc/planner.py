@@ -72,7 +72,7 @@ from .theory.trace import backward_work
 #: the plan kinds :func:`choose_plan` knows, in the order it prices (and prefers, on a tie) them
 KINDS = ("spmd", "pipeline")
 #: options of :func:`synthesize_theory` that :func:`hapc.compile` accepts
-SYNTH_OPTIONS = ("segments", "rounds", "solver", "memory", "baseline", "ratios")
+SYNTH_OPTIONS = ("segments", "rounds", "solver", "memory", "baseline", "ratios", "time_limit")
 #: options of :func:`hapc.derive` that :func:`hapc.compile` accepts
 THEORY_OPTIONS = ("sfb", "variants", "param_comm", "strict")
 
@@ -91,10 +91,14 @@ def synthesize_theory(
     progress: Progress | None = None,
     timings: dict[str, float] | None = None,
     options: dict[str, Any] | None = None,
+    time_limit: float | None = None,
 ) -> Plan:
     """:func:`hapc.synthesize` for an already derived theory (benchmarks reuse one theory)."""
     if baseline is not None and baseline not in BASELINES:
         raise HapcError(f"unknown baseline {baseline!r}; one of {', '.join(BASELINES)}")
+    if time_limit is not None and not time_limit > 0:
+        raise HapcError(f"time_limit must be a positive number of seconds (or None: no limit), got {time_limit!r}")
+    deadline = None if time_limit is None else time.monotonic() + time_limit
     t0 = time.perf_counter()
     model = CostModel(cluster)
     allowed = shardable_triples(theory, model.m)
@@ -115,6 +119,7 @@ def synthesize_theory(
         memory=memory,
         solver=solver,
         progress=progress,
+        deadline=deadline,
     )
     t2 = time.perf_counter()
     ratios = best.ratios
@@ -144,9 +149,26 @@ def synthesize_theory(
         graph_fingerprint=g.fingerprint(),
         cluster_fingerprint=cluster.fingerprint(),
         cluster_name=cluster.name,
-        predicted={"time": best.cost, "comm": comm, "comp": comp, "gradients": grads, "memory": list(mem)},
+        predicted={
+            "time": best.cost,
+            "comm": comm,
+            "comp": comp,
+            "gradients": grads,
+            "memory": list(mem),
+            # False: time_limit stopped the program search before it proved its program optimal;
+            # the gap bounds how far above the optimum it can be (at the ratios searched)
+            "proven_optimal": best.result.proven,
+            "optimality_gap": best.result.cost / best.result.floor if best.result.floor > 0 else 1.0,
+        },
         stages=stages,
-        options={**(options or {}), "segments": segments, "rounds": rounds, "solver": solver, "memory": memory},
+        options={
+            **(options or {}),
+            "segments": segments,
+            "rounds": rounds,
+            "solver": solver,
+            "memory": memory,
+            "time_limit": time_limit,
+        },
         baseline=baseline,
         total_flops=total_flops,
         peak_flops=sum(t.count * t.flops for t in model.types),

@@ -285,9 +285,9 @@ def test_qb_loop_returns_the_best_round(monkeypatch):
     real = loop._synthesize_at
     calls = []
 
-    def scripted(space, model, ratios, price, progress):  # round 2 searches Megatron's programs only
+    def scripted(space, model, ratios, price, progress, deadline=None):  # round 2: Megatron's programs only
         calls.append(ratios)
-        return real(tp if len(calls) == 2 else space, model, ratios, price, progress)
+        return real(tp if len(calls) == 2 else space, model, ratios, price, progress, deadline)
 
     monkeypatch.setattr(loop, "_synthesize_at", scripted)
     best = loop.balance(SynthSpace(theory, cm.m), cm, rounds=3, initial=cm.even_ratios())

@@ -115,6 +115,27 @@ def test_profile_local_must_be_positive(local, capsys):
     assert "--local: expected a positive integer" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("limit", ["0", "-1", "inf", "soon"])
+def test_time_limit_must_be_a_positive_number(limit, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["synth", "mlp", "--cluster", "hap-testbed:8", "--time-limit", limit])
+    assert exc.value.code == 2
+    assert "--time-limit: expected a positive number" in capsys.readouterr().err
+
+
+def test_a_time_limited_synthesis_says_its_plan_is_not_proven(tmp_path):
+    out = _hapc("synth", "mynet_tl:factory", "--cluster", "hap-testbed:8", "--kind", "spmd", "--arg", "batch=8",
+                "--time-limit", "1e-9", "--json", "plan.json", cwd=_with_mynet(tmp_path, "mynet_tl"))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "not proven optimal" in out.stdout
+    assert json.loads((tmp_path / "plan.json").read_text())["predicted"]["proven_optimal"] is False
+
+
+def _with_mynet(path, name: str):
+    (path / f"{name}.py").write_text(MYNET)
+    return path
+
+
 def test_a_model_in_the_current_directory_is_importable(tmp_path):
     (tmp_path / "mynet_cli.py").write_text(MYNET)
     out = _hapc("theory", "mynet_cli:factory", "--arg", "width=6", "--json", cwd=tmp_path)

@@ -9,11 +9,15 @@ therefore priced again from scratch and must cost what the search claimed.
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
 from torch import nn
 
 import hapc
 from hapc.cluster import Cluster
+from hapc.errors import HapcError
 from hapc.synth import synthesizer
 from hapc.synth.cost import CostModel
 from hapc.synth.synthesizer import SynthSpace, program_cost, shardable_triples, synthesize_program
@@ -42,16 +46,24 @@ class Net(nn.Module):
         return ((x - y) ** 2).mean()
 
 
-def _synth(layers: int, cluster: str = "local-cpu:3", beam: int = 0):
+def _synth(
+    layers: int,
+    cluster: str = "local-cpu:3",
+    beam: int = 0,
+    deadline: float | None = None,
+    incumbent: bool = True,
+    batch: int = 6,
+):
     """``beam=0``: the plain DP (branch and bound's searches depend on the bounds it meets)."""
     torch.manual_seed(0)
-    x, y = torch.randn(6, 4, 8), torch.randn(6, 4, 8)
+    x, y = torch.randn(batch, 4, 8), torch.randn(batch, 4, 8)
     graph = hapc.trace(Net(layers), (x, y), capture="export")
     theory = hapc.derive(graph)
     model = CostModel(Cluster.load(cluster))
     space = SynthSpace(theory, model.m, "node", shardable_triples(theory, model.m))
     ratios = model.proportional_ratios()
-    return theory, model, ratios, synthesize_program(space, model, ratios, beam=beam)
+    result = synthesize_program(space, model, ratios, beam=beam, deadline=deadline, incumbent=incumbent)
+    return theory, model, ratios, result
 
 
 def test_params_first_in_export_graph():
@@ -96,3 +108,44 @@ def test_deepened_bounds_find_the_plain_optimum_where_the_beam_is_poor():
         assert abs(deep.cost - plain.cost) <= 1e-12 * plain.cost
         assert deep.cost <= deep.bounds[-1] * (1 + 1e-9)
         assert abs(program_cost(theory, model, deep.parts, ratios) - deep.cost) <= 1e-12 * deep.cost
+
+
+def test_a_passed_deadline_returns_the_first_pass_program_marked_unproven(monkeypatch):
+    """Anytime search: a deadline that has passed stops the exact passes; the best of the first
+    pass's program and the data-parallel incumbent comes back marked unproven, its floor below the
+    true optimum (the plain DP's) and its cost above; without a deadline the result is the proven
+    optimum."""
+    late = time.monotonic() - 1
+    theory, model, ratios, plain = _synth(3, "hap-testbed:8", batch=8)
+    *_, first = _synth(3, "hap-testbed:8", beam=1, deadline=late, batch=8)
+    *_, exact = _synth(3, "hap-testbed:8", beam=1, batch=8)
+    assert exact.proven and exact.floor == exact.cost
+    assert abs(exact.cost - plain.cost) <= 1e-12 * plain.cost
+    assert not first.proven
+    assert first.floor <= plain.cost * (1 + 1e-12) <= first.cost * (1 + 1e-12)
+    assert abs(program_cost(theory, model, first.parts, ratios) - first.cost) <= 1e-12 * first.cost
+    # the data-parallel incumbent bounds what a deadline can return (the beam of one is poorer)
+    space = SynthSpace(theory, model.m, "node", shardable_triples(theory, model.m))
+    dp = synthesizer.data_parallel_program(space, model, ratios)
+    *_, beam_only = _synth(3, "hap-testbed:8", beam=1, deadline=late, incumbent=False, batch=8)
+    assert dp is not None and dp.cost < beam_only.cost
+    assert abs(first.cost - dp.cost) <= 1e-12 * dp.cost
+    assert abs(program_cost(theory, model, dp.parts, ratios) - dp.cost) <= 1e-12 * dp.cost
+    # priced because of the deadline, even where the first pass is not far from the lower bound
+    monkeypatch.setattr(synthesizer, "GROWTH", 1e9)
+    *_, near = _synth(3, "hap-testbed:8", beam=1, deadline=late, batch=8)
+    assert abs(near.cost - dp.cost) <= 1e-12 * dp.cost
+
+
+def test_time_limit_marks_the_plan_and_is_checked():
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 4, 8), torch.randn(6, 4, 8)
+    plan = hapc.synthesize(Net(2), "hap-testbed:8", (x, y), time_limit=1e-9)
+    assert plan.predicted["proven_optimal"] is False and plan.predicted["optimality_gap"] >= 1
+    assert "not proven optimal" in str(plan)
+    assert plan.options["time_limit"] == 1e-9
+    exact = hapc.synthesize(Net(2), "hap-testbed:8", (x, y))
+    assert exact.predicted["proven_optimal"] is True and "not proven" not in str(exact)
+    assert exact.time <= plan.time * (1 + 1e-9)
+    with pytest.raises(HapcError, match="time_limit must be a positive number"):
+        hapc.synthesize(Net(2), "hap-testbed:8", (x, y), time_limit=0)

@@ -61,8 +61,11 @@ def balance(
     memory: bool = True,
     solver: str = "cbc",
     progress: Progress | None = None,
+    deadline: float | None = None,
 ) -> Balanced:
-    """Alternate synthesis and the ratio LP. ``fixed`` keeps ``initial`` ratios (baselines)."""
+    """Alternate synthesis and the ratio LP. ``fixed`` keeps ``initial`` ratios (baselines).
+    ``deadline``: a :func:`time.monotonic` value after which each program search returns the best
+    program it has (:func:`~hapc.synth.synthesizer.synthesize_program`); off by default."""
     th = space.theory
     ratios = initial or model.proportional_ratios()
     best: Balanced | None = None
@@ -75,7 +78,7 @@ def balance(
     while attempts < max(1, rounds):
         attempts += 1
         t0 = time.perf_counter()
-        res, costs = _synthesize_at(space, model, ratios, price, progress)
+        res, costs = _synthesize_at(space, model, ratios, price, progress, deadline)
         t1 = time.perf_counter()
         last_costs = costs
         search_cost = program_cost(th, model, res.parts, ratios)
@@ -100,7 +103,7 @@ def balance(
                 # the first price that fits may be far above the least that does: a cheaper
                 # price lets a faster program through, so bisect between them once
                 refined = True
-                better = _refine_price(space, model, ratios, price, memory, solver, progress)
+                better = _refine_price(space, model, ratios, price, memory, solver, progress, deadline)
                 if better is not None and better[2] < cost - 1e-12:
                     res, new_ratios, cost, price = better
         t2 = time.perf_counter()
@@ -119,24 +122,26 @@ def balance(
     return best
 
 
-def _synthesize_at(space: SynthSpace, model: CostModel, ratios: Vec, price: float, progress) -> tuple:
+def _synthesize_at(
+    space: SynthSpace, model: CostModel, ratios: Vec, price: float, progress, deadline: float | None = None
+) -> tuple:
     """The best program for ``ratios`` with memory priced at ``price``, and its triples' costs."""
     model.memory_price = price
     try:
-        res = synthesize_program(space, model, ratios, progress)
+        res = synthesize_program(space, model, ratios, progress, deadline=deadline)
     finally:
         model.memory_price = 0.0
     return res, [[space.theory.triples[k].cost for k in part] for part in res.parts]
 
 
-def _refine_price(space, model, ratios, price, memory, solver, progress, steps: int = 4):
+def _refine_price(space, model, ratios, price, memory, solver, progress, deadline=None, steps: int = 4):
     """Bisect (geometrically) the memory price between ``price / 10`` (too cheap: nothing fitted)
     and ``price`` (fits): the best fitting ``(program, ratios, cost, price)`` seen, or ``None``."""
     th = space.theory
     lo, hi, best = price / 10, price, None
     for _ in range(steps):
         mid = (lo * hi) ** 0.5
-        res, costs = _synthesize_at(space, model, ratios, mid, progress)
+        res, costs = _synthesize_at(space, model, ratios, mid, progress, deadline)
         try:
             lp = solve_ratios(model, costs, memory=memory, solver=solver)
         except InfeasibleError:

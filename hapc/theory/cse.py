@@ -17,7 +17,11 @@ takes when it accumulates a tensor's gradient from several readers.
 creation of constant tensors, contractions and normalisations without state. Never random ops
 (dropout draws per op, so two dropouts are two masks), ops that update state (``batch_norm``'s
 running statistics), a user's registered ops or leaf modules (hapc cannot know they are pure), or
-ops inside different ``torch.utils.checkpoint`` regions (recomputation is per region). Two nodes
+ops inside different ``torch.utils.checkpoint`` regions (recomputation is per region). Nor *static
+data* (buffers and what they alone compute: Llama's ``cos.unsqueeze(1)`` in every layer): the
+synthesizer keeps it replicated in one layout and recomputes it next to each reader, so a copy per
+layer costs nothing, while one shared copy would be carried in the state across every layer
+(merged, tiny-to-published Llama synthesis took 5x longer). Two nodes
 merge when their op, target, constant arguments (compared with their types: ``1``, ``1.0`` and
 ``True`` differ, as do ``0.0`` and ``-0.0``), operands (after merging), checkpoint region and
 result shape and dtype are all equal.
@@ -34,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .graph import OP, Ref, RefNode, map_refs
+from .graph import BUFFER, OP, Ref, RefNode, map_refs
 
 #: canonical op names (:mod:`hapc.theory.opnames`) whose result depends on their arguments alone
 PURE: frozenset[str] = frozenset(
@@ -97,8 +101,11 @@ def merge_common(nodes: Sequence[RefNode]) -> dict[int, int]:
     """
     canon: dict[int, int] = {}
     seen: dict[tuple, int] = {}
+    static: set[int] = set()  # buffers and what they alone compute: left as written (see above)
     for n in nodes:
-        if n.kind != OP or n.op not in PURE:
+        if n.kind == BUFFER or (n.kind == OP and all(o in static for o in n.operands)):
+            static.add(n.index)
+        if n.kind != OP or n.op not in PURE or n.index in static:
             continue
         args, kwargs = map_refs((n.args, n.kwargs), lambda r: Ref(canon.get(r.index, r.index)))
         try:
