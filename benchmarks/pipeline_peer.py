@@ -15,7 +15,9 @@ Both are checked against one device in float64 first (batch loss and every gradi
 then timed in float32: blocks of steps alternate between the two (a step is ``zero_grad`` plus the
 pipeline's forward and backward of every micro-batch; its time runs from a barrier to the last
 stage's end, the slower rank's); each of ``--rounds`` rounds starts fresh processes and takes each
-side's median step; the table shows the ratio of the medians over rounds and the per-round range.
+side's median step and their ratio; the table shows the median of the rounds' ratios and their
+range (each round pairs the two sides under the same load; the machine's load moves between rounds,
+so the times, medians over rounds, may come from different rounds for the two sides).
 
 **CPU time**: the processes' CPU time (all threads, summed over the stages) per step, hapc's
 over torch's. **Memory**: the peak of the bytes the CPU allocator holds beyond what it held when
@@ -462,12 +464,16 @@ def _summarise(m: int, per: list[list[dict]]) -> dict:
 
     h, t, sh, st = med("hapc"), med("torch"), med("slow_hapc"), med("slow_torch")
     first = [res[0] for res in per]
+    # each round's ratio pairs the two sides' steps interleaved in the same processes and minutes; the
+    # ratio is the median of those (not the ratio of the two sides' medians over rounds, which would
+    # divide one round's hapc time by another round's torch time under another load)
+    ratios, slow = [a / b for a, b in zip(h, t)], [a / b for a, b in zip(sh, st)]
     return {
         "micro": m,
         "hapc_s": statistics.median(h),
         "torch_s": statistics.median(t),
-        "ratio": statistics.median(h) / statistics.median(t),
-        "ratios": [a / b for a, b in zip(h, t)],
+        "ratio": statistics.median(ratios),
+        "ratios": ratios,
         "cpu_ratio": statistics.median(
             sum(r["cpu_hapc"] for r in res) / sum(r["cpu_torch"] for r in res) for res in per
         ),
@@ -476,8 +482,8 @@ def _summarise(m: int, per: list[list[dict]]) -> dict:
         "mem_torch": [max(res[k]["mem_torch"] for res in per) for k in range(STAGES)],
         "slow_hapc_s": statistics.median(sh),
         "slow_torch_s": statistics.median(st),
-        "slow_ratio": statistics.median(sh) / statistics.median(st),
-        "slow_ratios": [a / b for a, b in zip(sh, st)],
+        "slow_ratio": statistics.median(slow),
+        "slow_ratios": slow,
         "warmups": first[0]["warmups"],
         "link_ms": 1e3 * statistics.median(r["link_s"] for r in first),
         "bandwidth_MBps": statistics.median(r["bandwidth"] for r in first) / 1e6,
@@ -495,7 +501,10 @@ def _print(cfg: GPTConfig, batch: int, steps: int, rounds: int, checked: dict, r
         f"Both equal one device in float64 (largest relative error: hapc {checked['hapc']:.1e}, "
         f"torch {checked['torch']:.1e})."
     )
-    table = Table(title=f"1F1B step: median of {steps} interleaved steps per round, median of {rounds} round(s)")
+    table = Table(
+        title=f"1F1B step: median of {steps} interleaved steps per side and round; ms: median over {rounds} round(s); "
+        "hapc / torch: median of the rounds' ratios"
+    )
     for col in (
         "micro-batches",
         "hapc ms",
@@ -524,7 +533,8 @@ def _print(cfg: GPTConfig, batch: int, steps: int, rounds: int, checked: dict, r
         )
     console.print(table)
     slow = Table(
-        title="an emulated slow link between the stages (the same emulator for both): hapc H-1F1B vs torch Schedule1F1B"
+        title="an emulated slow link between the stages (the same emulator for both): hapc H-1F1B vs torch "
+        "Schedule1F1B; hapc / torch: median of the rounds' ratios"
     )
     for col in (
         "micro-batches",
