@@ -123,10 +123,13 @@ CASES = [
 ]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "world", "cluster", "opts"),
-    [pytest.param(*c, id=f"{c[0]}-{c[1]}-{next(iter(c[3]), 'default')}") for c in CASES],
+    [
+        # the default plan on 2 processes runs in `make test`; ratios and TP (the slowest) in `make test-slow`
+        pytest.param(*c, id=f"{c[0]}-{c[1]}-{next(iter(c[3]), 'default')}", marks=[pytest.mark.slow] * bool(c[3]))
+        for c in CASES
+    ],
 )
 def test_matches_one_device(name: str, world: int, cluster: str, opts: dict) -> None:
     if not realworld.has(realworld.MODELS[name][1]):
