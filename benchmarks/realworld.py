@@ -25,7 +25,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CLUSTER = "hap-testbed:8"
-LIMIT_S = {False: 180, True: 30}
+LIMIT_S = {False: 180, True: 90}
 #: the program search's time limit (``hapc.synthesize(time_limit=)``) at published sizes: past it
 #: the best program found is kept and reported unproven, with its optimality gap
 SEARCH_LIMIT_S = {False: 60.0, True: None}

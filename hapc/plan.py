@@ -260,7 +260,9 @@ def kinds_line(kinds: Sequence[dict[str, Any]]) -> str:
         if k.get("time") is None:
             parts.append(f"{k['kind']} {k['status']}")
         else:
-            parts.append(f"{k['kind']} {k['time'] * 1e3:.4g} ms" + (" (chosen)" if k["status"] == "chosen" else ""))
+            eff = f" ({k['efficiency']:.1%})" if k.get("efficiency") else ""
+            chosen = " (chosen)" if k["status"] == "chosen" else ""
+            parts.append(f"{k['kind']} {k['time'] * 1e3:.4g} ms{eff}{chosen}")
     return "plan kinds (predicted step time): " + ", ".join(parts)
 
 

@@ -195,6 +195,13 @@ def synthesize_theory(
     return plan
 
 
+def ideal_seconds(graph: Any, cluster: Cluster) -> float:
+    """The step's model flops (forward and backward) over the cluster's peak flop/s: the time of a
+    perfect plan, the numerator of every efficiency (``Plan.efficiency``, ``KindEstimate``)."""
+    flops = sum(n.flops + backward_work(n, graph.nodes)[0] for n in graph if n.kind == OP)
+    return flops / sum(t.count * t.flops for t in cluster.device_types())
+
+
 def _check_ratios(ratios: Sequence[float], model: CostModel) -> tuple[float, ...]:
     names = [t.name for t in model.types]
     if len(ratios) != len(names):
@@ -233,6 +240,8 @@ class KindEstimate:
     seconds: float = 0.0  # planning time
     replicas: int = 1  # data-parallel replicas of a pipeline
     num_micro: int = 0  # a pipeline's micro-batches per step of the global batch (0: not a pipeline)
+    #: (the step's model flops / the cluster's peak flop/s) / time, as ``Plan.efficiency``; 0: not priced
+    efficiency: float = 0.0
 
     @property
     def plan_kind(self) -> str:
@@ -251,6 +260,8 @@ class KindEstimate:
     def line(self) -> str:
         """``spmd: 12.3 ms (chosen) -- summary`` / ``pipeline: infeasible -- reason``."""
         when = f"{self.time * 1e3:.4g} ms" if math.isfinite(self.time) else "-"
+        if self.efficiency:
+            when += f", efficiency {self.efficiency:.1%}"
         tail = self.summary if self.status in ("chosen", "feasible") else self.reason
         return f"{self.kind}: {when} ({self.status})" + (f" -- {tail}" if tail else "")
 
@@ -282,12 +293,20 @@ def kinds_table(kinds: Sequence[KindEstimate | dict[str, Any]]) -> Any:
     from rich.table import Table
 
     tab = Table(title="plan kinds considered (predicted step time for the same global batch)")
-    for col, just in (("kind", "left"), ("predicted ms", "right"), ("status", "left"), ("plan, or why not", "left")):
+    columns = (
+        ("kind", "left"),
+        ("predicted ms", "right"),
+        ("efficiency", "right"),
+        ("status", "left"),
+        ("plan, or why not", "left"),
+    )
+    for col, just in columns:
         tab.add_column(col, justify=just, overflow="fold")
     for k in kinds:
         k = k if isinstance(k, KindEstimate) else KindEstimate.from_json(k)
         when = f"{k.time * 1e3:.4g}" if math.isfinite(k.time) else "-"
-        tab.add_row(k.kind, when, k.status, k.summary if k.status in ("chosen", "feasible") else k.reason)
+        eff = f"{k.efficiency:.1%}" if k.efficiency else "-"
+        tab.add_row(k.kind, when, eff, k.status, k.summary if k.status in ("chosen", "feasible") else k.reason)
     return tab
 
 
@@ -502,6 +521,13 @@ def choose_plan(
         raise InfeasibleError(f"no plan kind can run {cluster.name!r}: {why}")
     best = min(priced, key=lambda k: k.time)  # the first priced (SPMD, then fewer replicas) on a tie
     best.status = "chosen"
+    if theory is None:  # the SPMD kind was not asked for: trace for the model's flops
+        graph = trace(model, example_inputs, **(trace_options or {}))
+    else:
+        graph = theory.graph
+    ideal = ideal_seconds(graph, cluster)
+    for k in priced:
+        k.efficiency = ideal / k.time if k.time > 0 else 0.0
     chosen = plans[best.kind]
     if best.plan_kind == "spmd":
         chosen.predicted["kinds"] = [k.to_json() for k in out]

@@ -86,6 +86,24 @@ def test_the_cheaper_kind_is_chosen(between, want):
     assert "plan kinds (predicted step time): spmd" in text and "pipeline" in text and "(chosen)" in text
 
 
+def test_every_priced_kind_has_an_efficiency_over_the_same_ideal_time():
+    """Efficiency = (the step's model flops / the cluster's peak flop/s) / predicted time, for the
+    pipeline kinds as for SPMD (``Plan.efficiency``): one ideal time, so efficiencies rank as times."""
+    model, inputs = load("gpt", batch=8)
+    choice = choose_plan(model, groups("100 MB/s"), inputs)
+    spmd = choose_plan(model, groups("100 MB/s"), inputs, kinds=("spmd",)).plan
+    ideal = spmd.efficiency * spmd.time
+    priced = [k for k in choice.kinds if math.isfinite(k.time)]
+    assert len(priced) >= 2 and ideal > 0
+    for k in priced:
+        assert k.efficiency == pytest.approx(ideal / k.time, rel=1e-9), k.kind
+    assert next(k for k in priced if k.kind == "spmd").efficiency == pytest.approx(spmd.efficiency, rel=1e-9)
+    assert f"{priced[0].efficiency:.1%}" in choice.plan.describe()  # the pipeline printout shows it
+    for k in choice.kinds:
+        if not math.isfinite(k.time):
+            assert k.efficiency == 0.0
+
+
 def test_the_two_predictions_are_for_the_same_batch():
     """The pipeline's Eq. 12 time is for ``num_micro`` micro-batches of ``batch / num_micro`` rows:
     twice the batch (and micro-batch) costs more than the link latencies alone (which stay), as
