@@ -54,6 +54,7 @@ from hapc import models
 from hapc.api import synthesize_theory
 from hapc.cluster import Cluster
 from hapc.errors import HapcError
+from hapc.planner import ideal_seconds
 from hapc.synth.baselines import expert_parameters
 
 HERE = Path(__file__).resolve().parent
@@ -133,15 +134,6 @@ def padded_ep(factory: Factory, kw: dict[str, Any], m: int, cluster: Cluster) ->
     out = Pricer(model, inputs, cluster)(baseline="ep")
     out["experts"] = padded
     return out
-
-
-def ideal_seconds(graph: Any, cluster: Cluster) -> float:
-    """Model flops (forward + backward) over the cluster's peak flop/s: the efficiency's numerator."""
-    from hapc.theory.graph import OP
-    from hapc.theory.trace import backward_work
-
-    flops = sum(n.flops + backward_work(n, graph.nodes)[0] for n in graph if n.kind == OP)
-    return flops / sum(t.count * t.flops for t in cluster.device_types())
 
 
 def pipelines(model: torch.nn.Module, inputs: Any, cluster: Cluster, ideal: float) -> tuple[dict, dict]:

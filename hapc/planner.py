@@ -137,7 +137,7 @@ def synthesize_theory(
                 comp += max(st.comp, default=0.0)
     mem = model.memory(all_costs, ratios)
     g = theory.graph
-    total_flops = sum(n.flops + backward_work(n, g.nodes)[0] for n in g if n.kind == OP)
+    total_flops = model_flops(g)
     plan = Plan(
         program=program_from_triples(theory, best.result.parts),
         ratios=list(ratios),
@@ -195,11 +195,15 @@ def synthesize_theory(
     return plan
 
 
+def model_flops(graph: Any) -> float:
+    """The step's arithmetic: every op's forward flops and its backward's."""
+    return sum(n.flops + backward_work(n, graph.nodes)[0] for n in graph if n.kind == OP)
+
+
 def ideal_seconds(graph: Any, cluster: Cluster) -> float:
-    """The step's model flops (forward and backward) over the cluster's peak flop/s: the time of a
-    perfect plan, the numerator of every efficiency (``Plan.efficiency``, ``KindEstimate``)."""
-    flops = sum(n.flops + backward_work(n, graph.nodes)[0] for n in graph if n.kind == OP)
-    return flops / sum(t.count * t.flops for t in cluster.device_types())
+    """The step's model flops over the cluster's peak flop/s: the time of a perfect plan, the
+    numerator of every efficiency (``Plan.efficiency``, ``KindEstimate``)."""
+    return model_flops(graph) / sum(t.count * t.flops for t in cluster.device_types())
 
 
 def _check_ratios(ratios: Sequence[float], model: CostModel) -> tuple[float, ...]:

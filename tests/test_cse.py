@@ -67,35 +67,30 @@ def test_the_per_layer_masked_bias_is_one_node():
     assert float(values[graph.loss.index].detach()) == pytest.approx(float(model(*inputs).detach()), rel=1e-15)
 
 
-def _train(rank: int, world: int, opts: dict) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    module = hapc.compile(_model(), f"local-cpu:{world}", _inputs(), **opts)
+def _three_steps(module: Any, grads: Any, state: Any) -> dict[str, Any]:
+    """Losses of 3 SGD steps, the first step's gradients (``grads()``) and the final ``state()``."""
     opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for step in range(3):
+    losses, first = [], None
+    for _ in range(3):
         opt.zero_grad()
         loss = module(*_inputs())
         loss.backward()
-        if step == 0:
-            grads = module.full_gradients()
+        first = grads() if first is None else first
         opt.step()
         losses.append(float(loss.detach()))
-    return {"losses": losses, "grads": grads, "state": module.full_state_dict()}
+    return {"losses": losses, "grads": first, "state": state()}
+
+
+def _train(rank: int, world: int, opts: dict) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    module = hapc.compile(_model(), f"local-cpu:{world}", _inputs(), **opts)
+    return _three_steps(module, module.full_gradients, module.full_state_dict)
 
 
 def _reference() -> dict[str, Any]:
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for step in range(3):
-        opt.zero_grad()
-        loss = model(*_inputs())
-        loss.backward()
-        if step == 0:
-            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-        opt.step()
-        losses.append(float(loss.detach()))
-    return {"losses": losses, "grads": grads, "state": model.state_dict()}
+    grads = lambda: {k: p.grad.clone() for k, p in model.named_parameters()}  # noqa: E731
+    return _three_steps(model, grads, model.state_dict)
 
 
 @pytest.mark.parametrize(("world", "opts"), [(2, {}), (3, {"ratios": (0.4, 0.2)})], ids=["2-default", "3-ratios"])
