@@ -41,6 +41,7 @@ FULL: dict[str, tuple[str, int, int]] = {
     "mixtral": ("Mixtral small (HF; 8 layers, 1024 hidden, 8 experts top-2)", 8, 1024),
     "tv-resnet": ("torchvision ResNet-50", 64, 224),
     "tv-vit": ("torchvision ViT-B/16", 64, 224),
+    "tv-mobilenet": ("torchvision MobileNetV3-Large", 64, 224),
     "timm-vit": ("timm vit_base_patch16_224", 64, 224),
 }
 #: the libraries each model needs
@@ -48,6 +49,7 @@ NEEDS = {
     **{k: "transformers" for k in ("gpt2", "bert-cls", "bert-mlm", "llama", "t5", "vit-hf", "mixtral")},
     "tv-resnet": "torchvision",
     "tv-vit": "torchvision",
+    "tv-mobilenet": "torchvision",
     "timm-vit": "timm",
 }
 
@@ -101,10 +103,11 @@ def _build_full(name: str) -> tuple[Any, Any]:
                                       num_local_experts=8, num_experts_per_tok=2,
                                       experts_implementation="batched_mm")  # fmt: skip
                 return t.MixtralForCausalLM(cfg), dict(input_ids=ids(batch, n), labels=ids(batch, n))
-        if name in ("tv-resnet", "tv-vit"):
+        if name in ("tv-resnet", "tv-vit", "tv-mobilenet"):
             tv = zoo.import_torchvision()
-            m = tv.models.resnet50() if name == "tv-resnet" else tv.models.vit_b_16()
-            return zoo.WithLoss(m), images(1000)
+            build = {"tv-resnet": tv.models.resnet50, "tv-vit": tv.models.vit_b_16,
+                     "tv-mobilenet": lambda: tv.models.mobilenet_v3_large(dropout=0.0)}[name]  # fmt: skip
+            return zoo.WithLoss(build()), images(1000)
         if name == "timm-vit":
             zoo.import_torchvision()
             import timm
