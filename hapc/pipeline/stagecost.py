@@ -77,6 +77,24 @@ def sub_cluster(cluster: Cluster, group: str, size: int) -> Cluster:
     )
 
 
+def model_key(model: CostModel) -> tuple:
+    """Every number :class:`~hapc.synth.cost.CostModel` prices a program with: device counts,
+    per-type compute (inverse flop/s, inverse memory bandwidth, per-op overhead, a virtual
+    device's inner all-reduce), memory, the alpha-beta of each collective primitive, the memory
+    factor, the bucket size and the memory price. Two sub-meshes with equal keys give every triple
+    the same times and memory, so the same segment space (it depends on the device count only)
+    yields the same synthesized program and per-layer costs (the synthesis is deterministic): the
+    stage-cost cache is keyed by this, not by a group's name or its devices per host, which reach
+    the model only through the bottleneck link (one host: the intra-host link, else the
+    inter-host link; :meth:`hapc.cluster.Cluster.bottleneck`)."""
+    ab = tuple(sorted((p, a.alpha, a.beta) for p, a in model.ab.items()))
+    memory = tuple(t.memory for t in model.types)
+    return (
+        model.counts, model.inv_flops, model.inv_mbw, model.op_time, model.inner, memory, ab,
+        model.memory_factor, model.bucket_bytes, model.memory_price,
+    )  # fmt: skip
+
+
 @dataclasses.dataclass
 class LayerCosts:
     """Per-layer costs of one sub-mesh kind (arrays over the layer list)."""
@@ -125,7 +143,7 @@ class StageCoster:
                 "a stage-cost cache is shared only by costers of one theory, layer list, memory factor and baseline"
             )
         self._spaces: dict[frozenset, SynthSpace] = shared.setdefault("spaces", {})
-        # keyed by the sub-cluster a sub-mesh forms: (group, size, devices per host, links)
+        # keyed by what the sub-mesh's cost model prices with (:func:`model_key`), not by its name
         self._costs: dict[tuple, LayerCosts] = shared.setdefault("costs", {})
         self._shared = shared
         self.syntheses = 0
@@ -168,12 +186,14 @@ class StageCoster:
         return self._spaces[allowed]
 
     def layer_costs(self, group: str, size: int) -> LayerCosts:
-        """Synthesize the model on ``size`` devices of ``group`` (once) and split it by layer."""
-        sub = sub_cluster(self.cluster, group, size)
-        key = (group, size, sub.groups[0].devices_per_host, sub.groups[0], sub.intra_host, sub.inter_host)
+        """Synthesize the model on ``size`` devices of ``group`` (once per :func:`model_key`) and split
+        it by layer. Sub-meshes whose cost models price alike share one synthesis: e.g. 8 devices
+        over 2 hosts of 4 and over 4 hosts of 2 (both rings cross the inter-host link), or equal
+        device types in two groups."""
+        model = CostModel(sub_cluster(self.cluster, group, size), memory_factor=self.memory_factor)
+        key = model_key(model)
         if key in self._costs:
             return self._costs[key]
-        model = CostModel(sub, memory_factor=self.memory_factor)
         space = self._space(model.m)
         ratios = model.even_ratios()
         result = synthesize_program(space, model, ratios)
