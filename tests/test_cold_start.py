@@ -151,3 +151,101 @@ def test_cli_main_called_by_a_program_leaves_its_garbage_collector_alone():
         """
     )
     assert out == {"rc": 0, "enabled": True, "frozen_added": 0}
+
+
+# -- sympy: hapc.theory.plain_meta stands in for symbolic_shapes and sympy while tracing ----------------
+
+ZOO = ("mlp", "transformer", "bert", "bert-moe", "moe", "gpt", "cnn", "cnn-pool", "vit", "wide-resnet")
+
+_GRAPHS = f"""
+    import json, sys
+    import torch
+    PRELUDE
+    import hapc
+    from hapc import models
+    from hapc.errors import TraceError
+
+    def summary(name):
+        graph = hapc.trace(*models.load(name))
+        return [graph.fingerprint(), [(n.flops, n.mem_bytes, n.requires_grad) for n in graph.nodes]]
+
+    out = {{name: summary(name) for name in {ZOO!r}}}
+    out["imported"] = [m for m in ("sympy", "torch.fx.experimental.symbolic_shapes") if m in sys.modules]
+
+    class Bad(torch.nn.Module):  # a meta kernel's torch._check fails: the same error either way
+        def forward(self, x, y):
+            return torch.cat([x, y], dim=1).sum()
+    try:
+        hapc.trace(Bad(), (torch.randn(2, 3), torch.randn(4, 3)), capture="fx")
+    except TraceError as exc:
+        out["error"] = str(exc)
+    print(json.dumps(out))
+"""
+
+
+def test_tracing_imports_no_sympy_and_gives_the_same_graphs_as_with_it():
+    """The zoo traced in a fresh process (stand-ins) and in one that imported sympy's users first (torch's
+    own modules): the same nodes, shapes, flops, memory traffic, and the same error for a bad shape."""
+    fresh = _fresh(_GRAPHS.replace("PRELUDE", "pass"))
+    real = _fresh(_GRAPHS.replace("PRELUDE", "import torch.fx.experimental.symbolic_shapes"))
+    assert fresh["imported"] == []
+    assert real["imported"] == ["sympy", "torch.fx.experimental.symbolic_shapes"]
+    assert "cat" in fresh["error"] or "Sizes of tensors" in fresh["error"], fresh["error"]
+    for key in (*ZOO, "error"):
+        assert fresh[key] == real[key], key
+
+
+def test_the_stand_ins_leave_with_the_trace_and_answer_as_torch_does():
+    out = _fresh(
+        """
+        import json, sys
+        import torch
+        import hapc
+        from hapc import models
+        from hapc.theory import plain_meta
+
+        shapes = plain_meta._STANDINS[plain_meta.SHAPES]
+        names = [*plain_meta._BOOL_IDENTITIES, *plain_meta._INT_IDENTITIES, "sym_and", "sym_or", "sym_eq",
+                 "is_nested_int", "has_guarding_hint", "guarding_hint_or_throw"]
+        stand_in = {n: getattr(shapes, n) for n in names}
+        Basic = plain_meta._STANDINS["sympy"].Basic
+        before = {"object": isinstance(object(), Basic), "int": isinstance(1, Basic)}
+
+        hapc.trace(*models.load("vit"))
+        left = [m for m in ("sympy", plain_meta.SHAPES) if m in sys.modules]
+        parent = hasattr(sys.modules["torch.fx.experimental"], "symbolic_shapes")
+
+        import sympy
+        import torch.fx.experimental.symbolic_shapes as real
+        values = [True, False, 0, 1, 3, -2, 1.5, None, "x", [1, 2], (1, 2), [1, 3], [[1], [2]], [], (True,)]
+        def answer(fn, *args):
+            try:
+                return repr(fn(*args))
+            except Exception as exc:
+                return type(exc).__name__
+        differ = []
+        for n in names:
+            for a in values:
+                if answer(stand_in[n], a) != answer(getattr(real, n), a):
+                    differ.append((n, repr(a)))
+                if n in ("sym_and", "sym_or", "sym_eq"):
+                    for b in values:
+                        if answer(stand_in[n], a, b) != answer(getattr(real, n), a, b):
+                            differ.append((n, repr(a), repr(b)))
+        class Derived(Basic):
+            pass
+        print(json.dumps({
+            "left": left, "parent": parent, "differ": differ, "before": before,
+            "real": [getattr(m, "__file__", None) is not None for m in (sympy, real)],
+            "after": isinstance(sympy.Integer(2), Basic) and not isinstance(2, Basic),
+            "subclass": issubclass(sympy.Symbol, Basic) and issubclass(Derived, sympy.Basic),
+            "alias": shapes.guard_or_false is real.guard_or_false,
+        }))
+        """
+    )
+    assert out["left"] == [] and not out["parent"]  # a later import gets the real modules
+    assert out["real"] == [True, True]
+    assert out["differ"] == []
+    assert out["before"] == {"object": False, "int": False}
+    assert out["after"] and out["subclass"]
+    assert out["alias"]  # the stand-in became the real module once that was imported

@@ -38,6 +38,7 @@ from .flops import contraction_flops
 from .graph import BUFFER, INPUT, OP, PARAM, Ref, RefGraph, RefNode, TensorMeta, iter_refs
 from .normalize import NORMALISERS, normalise_modules
 from .opnames import canonical_name, qualified_name
+from .plain_meta import without_sympy
 from .registry import Registry, default_registry
 
 
@@ -431,7 +432,7 @@ def _trace_fx(model: nn.Module, example_inputs: Any, leaf_modules: Sequence[type
         finally:
             tracer.region = None
 
-    with _meta_kernels_without_dynamo():
+    with _meta_kernels_without_dynamo(), without_sympy():  # neither dynamo nor sympy: static shapes
         try:
             with checkpoint_regions(enter):
                 graph = tracer.trace(model, concrete_args=_none_inputs(model, example_inputs))

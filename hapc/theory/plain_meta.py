@@ -1,0 +1,232 @@
+"""Torch's Python meta kernels on plain shapes, without importing sympy (issue 15, cold start).
+
+hapc traces with static shapes: every size a meta kernel sees is a Python ``int``, every condition a
+``bool``. Torch's Python meta kernels and references still import ``torch.fx.experimental.
+symbolic_shapes`` on their first call -- ``torch._check`` does, for ``expect_true``; ``meta_conv``,
+``cat``, ``expand``... do, for ``guard_or_false``, ``sym_and``... -- and ``elementwise_dtypes``
+imports ``sympy`` itself to ask ``isinstance(x, sympy.Basic)``. That module imports sympy: about
+0.5 s and 480 modules of a cold ``hapc synth``, for answers that on plain values are the values
+themselves.
+
+:func:`without_sympy` stands in for both modules while hapc's own tracer runs, where neither has
+been imported yet:
+
+* ``torch.fx.experimental.symbolic_shapes``: the functions the meta kernels call, each answering a
+  plain argument exactly as torch's does (``guard_or_false(b) = b`` for a ``bool`` b, ``sym_eq``
+  of int lists, ...) and handing anything else (a ``SymInt``, a wrong type: torch's own error) to
+  the real module; any other name imports the real module and is its value.
+* ``sympy``: ``Basic`` only, whose ``isinstance`` is False while sympy is not imported -- no
+  instance of a sympy class can exist before sympy is -- and sympy's own answer after; any other
+  name imports the real sympy.
+
+Once a real module is imported (a user's leaf module whose flop count needs it, a symbolic value),
+it replaces the stand-in in ``sys.modules`` and the stand-in's namespace becomes the real one's, so
+code that imported the stand-in meanwhile sees the real module from then on. The stand-ins leave
+``sys.modules`` when the block ends: a later import anywhere gets the real modules, as in a process
+that never traced. ``tests/test_cold_start.py`` checks the answers against torch's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import operator
+import sys
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+SHAPES = "torch.fx.experimental.symbolic_shapes"
+SYMPY = "sympy"
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+class _StandIn(types.ModuleType):
+    """A module standing in for ``name`` until the real one is needed; then an alias of it."""
+
+    def __init__(self, name: str, doc: str):
+        super().__init__(name, doc)
+        self._hapc_standin = True
+
+    def __getattr__(self, attr: str) -> Any:  # a name the stand-in does not answer: the real module's
+        if attr.startswith("__"):  # the import system's probes (__path__, __file__...)
+            raise AttributeError(attr)
+        return getattr(_real(self.__name__), attr)
+
+
+def _real(name: str) -> types.ModuleType:
+    """Import the real module ``name`` (in place of its stand-in) and make the stand-in its alias."""
+    standin = _STANDINS[name]
+    if sys.modules.get(name) is standin:
+        del sys.modules[name]
+        _set_parent_attr(name, None, standin)
+    module = importlib.import_module(name)
+    if standin.__dict__.get("_hapc_standin"):  # once: the stand-in's namespace becomes the real one's
+        standin.__dict__.clear()
+        standin.__dict__.update(module.__dict__)
+    return module
+
+
+def _set_parent_attr(name: str, value: Any, expect: Any = None) -> None:
+    """``parent.child = value`` for a dotted ``name`` (what an import does), or remove it when
+    ``value`` is None and the attribute is ``expect``."""
+    parent, _, child = name.rpartition(".")
+    if not parent or parent not in sys.modules:
+        return
+    pkg = sys.modules[parent]
+    if value is not None:
+        setattr(pkg, child, value)
+    elif getattr(pkg, child, None) is expect:
+        with contextlib.suppress(AttributeError):
+            delattr(pkg, child)
+
+
+# -- torch.fx.experimental.symbolic_shapes, on plain values -----------------------------------------
+
+
+def _identity_on(kind: type, name: str) -> Callable[..., Any]:
+    """``name(a)`` of the real module, which returns ``a`` itself when ``type(a) is kind``."""
+
+    def plain(a: Any, *rest: Any, **kwargs: Any) -> Any:
+        if type(a) is kind and not rest and not kwargs:
+            return a
+        return getattr(_real(SHAPES), name)(a, *rest, **kwargs)
+
+    plain.__name__ = plain.__qualname__ = name
+    return plain
+
+
+def _fold(name: str, op: Callable[[Any, Any], Any]) -> Callable[..., Any]:
+    """``sym_and`` / ``sym_or``: ``op`` folded over the arguments (torch's definition)."""
+
+    def plain(x: Any, *others: Any) -> Any:
+        if type(x) is bool and all(type(y) is bool for y in others):
+            for y in others:
+                x = op(x, y)
+            return x
+        return getattr(_real(SHAPES), name)(x, *others)
+
+    plain.__name__ = plain.__qualname__ = name
+    return plain
+
+
+def _plain_pair(x: Any, y: Any) -> bool:
+    """Whether torch's ``sym_eq(x, y)`` compares plain ints only (or returns False on lengths)."""
+    if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
+        return len(x) != len(y) or all(_plain_pair(a, b) for a, b in zip(x, y))
+    return type(x) in (int, bool) and type(y) in (int, bool)
+
+
+def _sym_eq(x: Any, y: Any) -> Any:
+    if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
+        if len(x) != len(y):
+            return False
+        return functools.reduce(operator.and_, map(_sym_eq, x, y), True)
+    return x == y
+
+
+def sym_eq(x: Any, y: Any) -> Any:
+    """``==``, element by element on (nested) sequences of ints, joined by ``and`` (torch's definition)."""
+    if _plain_pair(x, y):
+        return _sym_eq(x, y)
+    return _real(SHAPES).sym_eq(x, y)
+
+
+def is_nested_int(s: Any) -> Any:
+    """False for anything but a ``SymInt``."""
+    return isinstance(s, torch.SymInt) and _real(SHAPES).is_nested_int(s)
+
+
+def has_guarding_hint(a: Any) -> bool:
+    """True for anything but a symbolic value."""
+    return not isinstance(a, _SYMBOLIC) or _real(SHAPES).has_guarding_hint(a)
+
+
+def guarding_hint_or_throw(a: Any) -> Any:
+    """A ``bool`` or ``int`` is its own hint."""
+    if type(a) in (bool, int):
+        return a
+    return _real(SHAPES).guarding_hint_or_throw(a)
+
+
+_BOOL_IDENTITIES = ("expect_true", "guard_bool", "guard_or_false", "guard_or_true", "guard_size_oblivious",
+                    "statically_known_true")  # fmt: skip
+_INT_IDENTITIES = ("guard_int", "optimization_hint")
+
+
+def _shapes_standin() -> _StandIn:
+    m = _StandIn(SHAPES, f"hapc's stand-in for {SHAPES} on plain values (hapc.theory.plain_meta)")
+    for name in _BOOL_IDENTITIES:
+        setattr(m, name, _identity_on(bool, name))
+    for name in _INT_IDENTITIES:
+        setattr(m, name, _identity_on(int, name))
+    m.sym_and = _fold("sym_and", operator.and_)
+    m.sym_or = _fold("sym_or", operator.or_)
+    for fn in (sym_eq, is_nested_int, has_guarding_hint, guarding_hint_or_throw):
+        setattr(m, fn.__name__, fn)
+    return m
+
+
+# -- sympy.Basic, before sympy exists ------------------------------------------------------------------
+
+
+def _sympy_if_imported() -> Any:
+    module = sys.modules.get(SYMPY)
+    return None if module is None or module.__dict__.get("_hapc_standin") else module
+
+
+class _BasicMeta(type):
+    """``isinstance``/``issubclass`` against sympy's ``Basic``: False while sympy is not imported (no
+    sympy object can exist before), sympy's answer after. A class derived from it derives from the
+    real ``Basic``."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        real = _sympy_if_imported()
+        return real is not None and isinstance(obj, real.Basic)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        real = _sympy_if_imported()
+        return real is not None and issubclass(sub, real.Basic)
+
+    def __new__(mcs, name: str, bases: tuple, ns: dict[str, Any]) -> Any:
+        if not bases:  # the stand-in's Basic itself
+            return super().__new__(mcs, name, bases, ns)
+        real = _real(SYMPY).Basic
+        bases = tuple(real if isinstance(b, _BasicMeta) else b for b in bases)
+        return type(real)(name, bases, ns)
+
+    def __getattr__(cls, attr: str) -> Any:
+        return getattr(_real(SYMPY).Basic, attr)
+
+
+def _sympy_standin() -> _StandIn:
+    m = _StandIn(SYMPY, "hapc's stand-in for sympy before it is imported (hapc.theory.plain_meta)")
+    m.Basic = _BasicMeta("Basic", (), {"__module__": SYMPY})
+    return m
+
+
+#: one stand-in per module for the process: an alias of the real module once that is imported
+_STANDINS: dict[str, _StandIn] = {SYMPY: _sympy_standin(), SHAPES: _shapes_standin()}
+
+
+@contextlib.contextmanager
+def without_sympy() -> Iterator[None]:
+    """The block runs torch's meta kernels with the stand-ins for the modules not yet imported (see
+    the module docstring); they leave ``sys.modules`` when it ends."""
+    placed = []
+    for name, standin in _STANDINS.items():
+        if name not in sys.modules and standin.__dict__.get("_hapc_standin"):
+            sys.modules[name] = standin
+            _set_parent_attr(name, standin)
+            placed.append(name)
+    try:
+        yield
+    finally:
+        for name in placed:
+            standin = _STANDINS[name]
+            if sys.modules.get(name) is standin:
+                del sys.modules[name]
+                _set_parent_attr(name, None, standin)
