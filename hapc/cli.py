@@ -58,17 +58,38 @@ def _console() -> Any:
 
 def _without_gc_pauses(ns: argparse.Namespace) -> None:
     """In a ``hapc`` process (not a caller's ``main([...])``), before the heavy imports of a command
-    that traces: no cyclic garbage collection for the rest of this short-lived process. Full
-    collections would rescan torch's and hapc's modules and the model each time (0.2-0.5 s of a cold
-    ``hapc synth`` on ViT-24, the interpreter's last one at exit included); trace, derive and
-    synthesis pause the collector anyway (``hapc._util.without_gc``), and reference counting still
-    frees everything acyclic. The interpreter's own collection at exit still runs: freezing the heap
-    to skip it left extension objects unfreed, and nanobind (triton's bindings, imported on the
-    pipeline planning path) printed hundreds of "leaked instance" lines after every command."""
+    that traces: no cyclic garbage collection for the rest of this short-lived process, and no
+    teardown of the interpreter at its end (:func:`_exit_now`). Full collections would rescan torch's
+    and hapc's modules and the model each time (0.2-0.5 s of a cold ``hapc synth`` on ViT-24);
+    trace, derive and synthesis pause the collector anyway (``hapc._util.without_gc``), and
+    reference counting still frees everything acyclic."""
     if getattr(ns, "entry", False):
         import gc
 
         gc.disable()
+        ns.exit_now = True
+
+
+def _exit_now(rc: int) -> None:
+    """End the ``hapc`` process now with status ``rc``: run the ``atexit`` handlers (logging's,
+    ``weakref.finalize``'s, a model's own), flush stdout and stderr, then ``os._exit``. What it skips
+    is the interpreter's teardown -- its last cyclic collection and the freeing of every module and
+    object, 0.4-0.7 s after a ViT-24 synthesis, for a process that is ending anyway (freezing the heap
+    instead left extension objects unfreed, and nanobind, triton's bindings, printed hundreds of
+    "leaked instance" lines). Where a thread other than daemons is still running it returns, and
+    the interpreter ends as usual."""
+    import atexit
+    import threading
+
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        return
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can be written anyway
+            pass
+    os._exit(rc)
 
 
 def _table(title: str) -> Any:
@@ -573,10 +594,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cwd not in sys.path and "" not in sys.path:  # MODEL may be ./mymod.py, as under python -m
         sys.path.insert(0, cwd)
     try:
-        return ns.fn(ns)
+        rc = ns.fn(ns)
     except HapcError as exc:
         print(f"hapc: error: {exc}", file=sys.stderr)
-        return 2
+        rc = 2
+    if getattr(ns, "exit_now", False):
+        _exit_now(rc)
+    return rc
 
 
 if __name__ == "__main__":

@@ -249,3 +249,43 @@ def test_the_stand_ins_leave_with_the_trace_and_answer_as_torch_does():
     assert out["before"] == {"object": False, "int": False}
     assert out["after"] and out["subclass"]
     assert out["alias"]  # the stand-in became the real module once that was imported
+
+
+_MODEL_WITH_EXIT_HOOKS = """
+import atexit
+import models
+
+
+class Noisy:
+    def __del__(self):
+        print("torn down")
+
+
+KEEP = Noisy()  # freed only by the interpreter's teardown
+
+
+def build(note="atexit.txt"):
+    atexit.register(lambda: open(note, "w").write("ran"))
+    return models.load("mlp")
+"""
+
+
+def test_the_hapc_process_skips_the_interpreter_teardown_but_runs_atexit_and_flushes(tmp_path):
+    """``hapc synth`` ends with ``os._exit`` after the atexit handlers and a flush (cli._exit_now):
+    the plan file, the whole printout and a model's atexit handler are there; module teardown is not."""
+    (tmp_path / "hooked.py").write_text(_MODEL_WITH_EXIT_HOOKS)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    argv = [sys.executable, "-m", "hapc", "synth", "hooked:build", "--cluster", "local-cpu:2", "--kind", "spmd"]
+    proc = subprocess.run(
+        [*argv, "--json", "plan.json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "plan written to plan.json" in proc.stdout  # the last line printed: stdout was flushed
+    assert json.loads((tmp_path / "plan.json").read_text())
+    assert (tmp_path / "atexit.txt").read_text() == "ran"
+    assert "torn down" not in proc.stdout
+    # an error after the heavy imports (the model's factory is called) keeps its status and message
+    bad = subprocess.run(
+        [*argv, "--arg", "nosuch=1"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert bad.returncode == 2 and "unknown --arg nosuch" in bad.stderr, bad.stderr[-2000:]
