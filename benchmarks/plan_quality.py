@@ -136,13 +136,17 @@ def padded_ep(factory: Factory, kw: dict[str, Any], m: int, cluster: Cluster) ->
     return out
 
 
-def pipelines(model: torch.nn.Module, inputs: Any, cluster: Cluster, ideal: float) -> tuple[dict, dict]:
+def pipelines(
+    model: torch.nn.Module, inputs: Any, cluster: Cluster, ideal: float, theory: Any = None
+) -> tuple[dict, dict]:
     """The HARP pipeline alone (one replica, ``NUM_MICRO`` micro-batches) and the best pipeline the
     planner finds: replicas, and the micro-batch count searched among the batch's divisors
-    (:func:`hapc.planner.search_micro`, which starts at ``NUM_MICRO`` when it divides the batch)."""
+    (:func:`hapc.planner.search_micro`, which starts at ``NUM_MICRO`` when it divides the batch).
+    ``theory``: the whole batch's, already derived (choose_plan then takes the model's flops from
+    its graph instead of tracing the whole batch once more)."""
     t0 = time.perf_counter()
     try:
-        choice = hapc.choose_plan(model, cluster, inputs, kinds=("pipeline",))
+        choice = hapc.choose_plan(model, cluster, inputs, kinds=("pipeline",), theory=theory)
     except HapcError as e:
         return {"error": _short(e)}, {"error": _short(e)}
     seconds = time.perf_counter() - t0
@@ -213,7 +217,7 @@ def compare(factory: Factory, kw: dict[str, Any], cluster: Cluster, m: int) -> d
     row = {"spmd": price()}
     if "time" in row["spmd"]:
         row["spmd"]["kind"] = "spmd"
-    row["pipeline"], best_pipe = pipelines(model, inputs, cluster, ideal)
+    row["pipeline"], best_pipe = pipelines(model, inputs, cluster, ideal, price.theories.get((True,)))
     row["hapc"] = min(
         (c for c in (row["spmd"], best_pipe) if "time" in c), key=lambda c: c["time"], default=row["spmd"]
     )
