@@ -184,6 +184,18 @@ def test_only_the_requested_kinds_are_priced():
 # -- hapc.compile: the default follows the planner, pipeline=True/False override it -----------------
 
 
+class _WithExtra(torch.nn.Module):
+    """A model returning ``(loss, another tensor)``, as a classifier returns ``(loss, logits)``."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = self.model(idx, targets)
+        return loss, loss * 2
+
+
 def _compile_kinds(rank, world):
     torch.set_num_threads(1)
     out = {}
@@ -193,6 +205,11 @@ def _compile_kinds(rank, world):
             m = hapc.compile(model, cluster, inputs, pipeline=pipeline)
             kinds = m.plan_kinds if hasattr(m, "train_step") else m.plan.predicted.get("kinds")
             out[name, pipeline] = (type(m).__name__, kinds)
+    # the same model returning a second tensor: only the SPMD module hands it back, so the planner
+    # is not asked to pick a pipeline, whose train_step returns the loss alone
+    model, inputs = load("gpt", batch=8, dtype=torch.float64)
+    m = hapc.compile(_WithExtra(model), groups("100 MB/s", per_group=1), inputs)
+    out["extra", None] = (type(m).__name__, m.plan.predicted.get("kinds"))
     return out
 
 
@@ -209,6 +226,9 @@ def test_compile_follows_the_planner_and_the_overrides():
         assert got[name, True][0] == "PipelineModule"
         module, kinds = got[name, False]
         assert module == "CompiledModule" and [k["status"] for k in kinds] == ["chosen", "overridden"]
+    module, kinds = got["extra", None]  # on the cluster where the plain model pipelines
+    assert module == "CompiledModule" and [k["status"] for k in kinds] == ["chosen", "not applicable"]
+    assert "besides its loss" in kinds[1]["reason"] and "pipeline=True" in kinds[1]["reason"]
 
 
 # -- the layering: the pipeline runtime plans through hapc.planner, not the façade ------------------
