@@ -153,9 +153,43 @@ def test_cli_main_called_by_a_program_leaves_its_garbage_collector_alone():
     assert out == {"rc": 0, "enabled": True, "frozen_added": 0}
 
 
-# -- sympy: hapc.theory.plain_meta stands in for symbolic_shapes and sympy while tracing ----------------
+# -- hapc.theory.plain_meta: no sympy while tracing, and a memo of the layers' meta evaluations -------
 
 ZOO = ("mlp", "transformer", "bert", "bert-moe", "moe", "gpt", "cnn", "cnn-pool", "vit", "wide-resnet")
+
+#: in-place calls on activations (never memoised) and one shape in two layouts, in identical blocks
+_IN_PLACE = """
+import torch, torch.nn as nn, torch.nn.functional as F
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = (self.fc(x) * 2).add_(1)
+        y = F.relu(y, inplace=True)
+        z = y.t().contiguous().t().mul_(0.5)
+        a, b = z.chunk(2, dim=1)
+        sq = z.t() @ z  # the same shape with other strides: exp keeps its operand's layout
+        return torch.cat([b, a], 1).unsqueeze_(0).squeeze(0) + (torch.exp(sq.t()) + torch.exp(sq)).sum()
+
+class InPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.sum()
+"""
+
+#: the memo turned off: every meta evaluation runs
+_NO_MEMO = (
+    "from hapc.theory import plain_meta; plain_meta.MetaMemo.call = lambda self, fn, args, kwargs, method=None: "
+    "getattr(args[0], method)(*args[1:], **kwargs) if method else fn(*args, **kwargs)"
+)
 
 _GRAPHS = f"""
     import json, sys
@@ -164,12 +198,14 @@ _GRAPHS = f"""
     import hapc
     from hapc import models
     from hapc.errors import TraceError
+    exec({_IN_PLACE!r})
 
-    def summary(name):
-        graph = hapc.trace(*models.load(name))
+    def summary(model, inputs):
+        graph = hapc.trace(model, inputs)
         return [graph.fingerprint(), [(n.flops, n.mem_bytes, n.requires_grad) for n in graph.nodes]]
 
-    out = {{name: summary(name) for name in {ZOO!r}}}
+    out = {{name: summary(*models.load(name)) for name in {ZOO!r}}}
+    out["in-place"] = summary(InPlace(), (torch.randn(4, 8),))
     out["imported"] = [m for m in ("sympy", "torch.fx.experimental.symbolic_shapes") if m in sys.modules]
 
     class Bad(torch.nn.Module):  # a meta kernel's torch._check fails: the same error either way
@@ -183,15 +219,16 @@ _GRAPHS = f"""
 """
 
 
-def test_tracing_imports_no_sympy_and_gives_the_same_graphs_as_with_it():
-    """The zoo traced in a fresh process (stand-ins) and in one that imported sympy's users first (torch's
-    own modules): the same nodes, shapes, flops, memory traffic, and the same error for a bad shape."""
+def test_tracing_imports_no_sympy_and_gives_the_same_graphs_as_with_it_and_without_the_memo():
+    """The zoo traced in a fresh process (stand-ins, memo) and in one that imported sympy's users first
+    (torch's own modules) and evaluates every node: the same nodes, shapes, flops, memory traffic, and
+    the same error for a bad shape."""
     fresh = _fresh(_GRAPHS.replace("PRELUDE", "pass"))
-    real = _fresh(_GRAPHS.replace("PRELUDE", "import torch.fx.experimental.symbolic_shapes"))
+    real = _fresh(_GRAPHS.replace("PRELUDE", "import torch.fx.experimental.symbolic_shapes; " + _NO_MEMO))
     assert fresh["imported"] == []
     assert real["imported"] == ["sympy", "torch.fx.experimental.symbolic_shapes"]
     assert "cat" in fresh["error"] or "Sizes of tensors" in fresh["error"], fresh["error"]
-    for key in (*ZOO, "error"):
+    for key in (*ZOO, "in-place", "error"):
         assert fresh[key] == real[key], key
 
 
@@ -289,3 +326,46 @@ def test_the_hapc_process_skips_the_interpreter_teardown_but_runs_atexit_and_flu
         [*argv, "--arg", "nosuch=1"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
     assert bad.returncode == 2 and "unknown --arg nosuch" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_every_memo_hit_is_what_the_meta_kernel_gives():
+    """Each result the memo gives is compared with the real evaluation of the same call: shape,
+    strides, offset, dtype, requires_grad, leaf or not, view or not; the transformer models hit it."""
+    out = _fresh(
+        f"""
+        import json
+        import torch
+        import hapc
+        from hapc import models
+        from hapc.theory import plain_meta
+        exec({_IN_PLACE!r})
+
+        def describe(v):
+            if isinstance(v, torch.Tensor):
+                return [type(v).__name__, list(v.shape), list(v.stride()), v.storage_offset(), str(v.dtype),
+                        v.requires_grad, v.is_leaf, v._is_view(), v.device.type]
+            if isinstance(v, (tuple, list)):
+                return [type(v).__name__, [describe(e) for e in v]]
+            return repr(v)
+
+        call, hits, differ = plain_meta.MetaMemo.call, {{}}, []
+        def checked(self, fn, args, kwargs, method=None):
+            before = self.hits
+            out = call(self, fn, args, kwargs, method)
+            if self.hits > before:
+                real = getattr(args[0], method)(*args[1:], **kwargs) if method else fn(*args, **kwargs)
+                hits[NAME] = hits.get(NAME, 0) + 1
+                if describe(out) != describe(real):
+                    differ.append([NAME, method or getattr(fn, "__name__", repr(fn)), describe(out), describe(real)])
+            return out
+        plain_meta.MetaMemo.call = checked
+
+        for NAME in {ZOO!r}:
+            hapc.trace(*models.load(NAME))
+        NAME = "in-place"
+        hapc.trace(InPlace(), (torch.randn(4, 8),))
+        print(json.dumps({{"hits": hits, "differ": differ[:5]}}))
+        """
+    )
+    assert out["differ"] == []
+    assert out["hits"].get("vit", 0) > 20 and out["hits"].get("gpt", 0) > 20, out["hits"]

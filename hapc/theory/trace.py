@@ -38,7 +38,7 @@ from .flops import contraction_flops
 from .graph import BUFFER, INPUT, OP, PARAM, Ref, RefGraph, RefNode, TensorMeta, iter_refs
 from .normalize import NORMALISERS, normalise_modules
 from .opnames import canonical_name, qualified_name
-from .plain_meta import without_sympy
+from .plain_meta import MetaMemo, without_sympy
 from .registry import Registry, default_registry
 
 
@@ -127,6 +127,7 @@ class _Tracer(fx.Tracer):
         self.example_inputs = example_inputs
         self._placeholders = 0
         self.device = _example_device(example_inputs)
+        self.memo = MetaMemo()  # the layers' repeated meta evaluations, computed once (plain_meta)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         # the user's leaves and the modules with a functional form stay whole; every other module,
@@ -172,9 +173,9 @@ class _Tracer(fx.Tracer):
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), val)
         with torch.device("meta"):
             if node.op == "call_function":
-                return node.target(*args, **kwargs)
+                return self.memo.call(node.target, args, kwargs)
             if node.op == "call_method":
-                return getattr(args[0], node.target)(*args[1:], **kwargs)
+                return self.memo.call(None, args, kwargs, method=node.target)
             mod = _raw_attr(self.root, node.target)
             fast = _fast_leaf_value(mod, args, kwargs)
             if fast is not None:
@@ -440,7 +441,7 @@ def _trace_fx(model: nn.Module, example_inputs: Any, leaf_modules: Sequence[type
             raise TraceError(_untraceable_message(model, exc)) from exc
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         normalise_modules(gm)
-        values, flops = _propagate(gm, model, example_inputs)
+        values, flops = _propagate(gm, model, example_inputs, tracer.memo)
     return _Builder(gm, model, values, flops, loss=loss).run(capture="fx")
 
 
@@ -681,8 +682,11 @@ def _bind_inputs(gm: fx.GraphModule, example_inputs: Any) -> dict[str, Any]:
     return bound
 
 
-def _propagate(gm: fx.GraphModule, model: nn.Module, example_inputs: Any) -> tuple[dict, dict]:
+def _propagate(
+    gm: fx.GraphModule, model: nn.Module, example_inputs: Any, memo: MetaMemo | None = None
+) -> tuple[dict, dict]:
     """Run the normalised graph on meta tensors: every node's value, and flops of tensor ops."""
+    memo = memo or MetaMemo()
     inputs = _bind_inputs(gm, example_inputs)
     env: dict[fx.Node, Any] = {}
     flops: dict[fx.Node, float] = {}
@@ -704,9 +708,9 @@ def _propagate(gm: fx.GraphModule, model: nn.Module, example_inputs: Any) -> tup
                     if node.meta.get("hapc_val", _MISSING) is not _MISSING:
                         out = node.meta["hapc_val"]  # computed while tracing
                     elif node.op == "call_function":
-                        out = node.target(*args, **kwargs)
+                        out = memo.call(node.target, args, kwargs)
                     elif node.op == "call_method":
-                        out = getattr(args[0], node.target)(*args[1:], **kwargs)
+                        out = memo.call(None, args, kwargs, method=node.target)
                     else:
                         out = _call_leaf(gm.get_submodule(node.target), args, kwargs)
                     env[node] = out
