@@ -108,7 +108,8 @@ class LayerCosts:
 
 
 class StageCoster:
-    """Costs of layer ranges on sub-meshes, memoised per sub-mesh kind ``(group, size)``.
+    """Costs of layer ranges on sub-meshes, memoised per sub-mesh kind: ``(group, size)`` up to
+    what its cost model prices with (:func:`model_key`).
 
     The theory's segment space is shared by every sub-mesh size with the same shardable triples
     (it depends on nothing else), so a 146-layer GPT-39B is segmented once, not once per size.
