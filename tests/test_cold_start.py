@@ -4,8 +4,11 @@ takes (timings are benchmarks/synth_time.py's cold-start table, never asserted h
 Tracing runs torch's Python meta kernels, many wrapped by ``torch._disable_dynamo``, which imports
 ``torch._dynamo`` (and part of ``torch._inductor``) on a function's first call; ``hapc.trace``
 pre-empts that for its meta evaluation (``_meta_kernels_without_dynamo``) and imports
-``torch.utils.flop_counter`` (which imports triton) only for a user's leaf module. Each check runs
-in a fresh interpreter, as a ``hapc`` command does.
+``torch.utils.flop_counter`` (which imports triton) only for a user's leaf module. The meta kernels'
+sympy (via ``torch.fx.experimental.symbolic_shapes``) is stood in for, and repeated meta evaluations
+come from a memo (``hapc.theory.plain_meta``): the same graphs, every memo hit equal to the real
+evaluation. The ``hapc`` process itself ends without the interpreter's teardown (``cli._exit_now``).
+Each check runs in a fresh interpreter, as a ``hapc`` command does.
 """
 
 from __future__ import annotations
