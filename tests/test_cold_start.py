@@ -372,3 +372,35 @@ def test_every_memo_hit_is_what_the_meta_kernel_gives():
     )
     assert out["differ"] == []
     assert out["hits"].get("vit", 0) > 20 and out["hits"].get("gpt", 0) > 20, out["hits"]
+
+
+def test_sympy_imported_while_tracing_is_the_real_one():
+    """A model that imports a sympy submodule or star-imports sympy in its forward (while the stand-in
+    is in sys.modules) gets the real package: the stand-in hands over its __path__ and __all__."""
+    out = _fresh(
+        """
+        import json, sys
+        import torch, torch.nn as nn
+        import hapc
+
+        seen = {}
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(4, 4)
+
+            def forward(self, x):
+                import sympy.core.numbers as numbers
+                ns = {}
+                exec("from sympy import *", ns)
+                seen.update(numbers=numbers.__name__, integer="Integer" in ns, symbol="Symbol" in ns)
+                return torch.cat([self.fc(x), x], 1).sum()
+
+        graph = hapc.trace(M(), (torch.randn(2, 4),), capture="fx")
+        import sympy
+        print(json.dumps({"seen": seen, "nodes": len(graph), "real": getattr(sympy, "__file__", None) is not None}))
+        """
+    )
+    assert out["seen"] == {"numbers": "sympy.core.numbers", "integer": True, "symbol": True}
+    assert out["nodes"] > 3 and out["real"]

@@ -56,6 +56,7 @@ import torch
 SHAPES = "torch.fx.experimental.symbolic_shapes"
 SYMPY = "sympy"
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+_PACKAGES = frozenset({SYMPY})  # importing one of their submodules asks for __path__: the real package's
 
 
 class _StandIn(types.ModuleType):
@@ -66,7 +67,9 @@ class _StandIn(types.ModuleType):
         self._hapc_standin = True
 
     def __getattr__(self, attr: str) -> Any:  # a name the stand-in does not answer: the real module's
-        if attr.startswith("__"):  # the import system's probes (__path__, __file__...)
+        if attr == "__all__" or (attr == "__path__" and self.__name__ in _PACKAGES):  # import *, a submodule
+            return getattr(_real(self.__name__), attr)
+        if attr.startswith("__"):  # the import system's other probes (__file__, a module's __path__...)
             raise AttributeError(attr)
         return getattr(_real(self.__name__), attr)
 
