@@ -163,10 +163,14 @@ def _planned_job(rank, world, alias, n, num_micro):
         pm = hapc.compile(model, groups(n), inputs, num_micro=num_micro)
     else:
         pm = compile_pipeline(model, groups(n), inputs, num_micro=num_micro)
-    with pytest.raises(HapcError, match="train_step"):
-        pm(*inputs)
+    with torch.no_grad():
+        evaluation = pm(*inputs).item()  # the forwards alone
+    loss = pm(*inputs)  # DDP's loop: the forwards now, the backwards in loss.backward() (GPipe's order)
+    loss.backward()
+    out = {"eval": evaluation, "ddp loss": loss.item(), "ddp grads": pm.full_gradients()}
+    pm.zero_grad()
     loss = pm.train_step(*inputs).item()
-    return {"loss": loss, "grads": pm.full_gradients(), "ranks": pm.spec.ranks}
+    return {"loss": loss, "grads": pm.full_gradients(), "ranks": pm.spec.ranks, **out}
 
 
 @pytest.mark.parametrize("alias,n", [("gpt", 2), ("bert", 2), ("bert", 3)])
@@ -179,6 +183,10 @@ def test_planned_pipeline_over_groups_equals_single_device(alias, n):
     for rank, res in enumerate(results):
         assert_close(res["loss"], ref["losses"][0], torch.float64, f"rank {rank} loss")
         assert_close(res["grads"], ref["grads"], torch.float64, f"rank {rank} grads")
+        # module(*batch) then loss.backward(), and a no-grad evaluation: the same numbers
+        for key in ("eval", "ddp loss"):
+            assert_close(res[key], ref["losses"][0], torch.float64, f"rank {rank} {key}")
+        assert_close(res["ddp grads"], ref["grads"], torch.float64, f"rank {rank} grads of loss.backward()")
 
 
 def _ignored_job(rank, world, num_micro):

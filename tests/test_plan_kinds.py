@@ -203,7 +203,7 @@ def _compile_kinds(rank, world):
         for pipeline in (None, True, False):
             model, inputs = load("gpt", batch=8, dtype=torch.float64)
             m = hapc.compile(model, cluster, inputs, pipeline=pipeline)
-            kinds = m.plan_kinds if hasattr(m, "train_step") else m.plan.predicted.get("kinds")
+            kinds = m.plan_kinds if hasattr(m, "plan_kinds") else m.plan.predicted.get("kinds")
             out[name, pipeline] = (type(m).__name__, kinds)
     # the same model returning a second tensor: only the SPMD module hands it back, so the planner
     # is not asked to pick a pipeline, whose train_step returns the loss alone
@@ -229,6 +229,79 @@ def test_compile_follows_the_planner_and_the_overrides():
     module, kinds = got["extra", None]  # on the cluster where the plain model pipelines
     assert module == "CompiledModule" and [k["status"] for k in kinds] == ["chosen", "not applicable"]
     assert "besides its loss" in kinds[1]["reason"] and "pipeline=True" in kinds[1]["reason"]
+
+
+def _two_steps(model, inputs, ddp_style: bool) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for _ in range(2):
+        opt.zero_grad()
+        if ddp_style:
+            loss = model(*inputs)
+            loss.backward()
+        else:
+            loss = model.train_step(*inputs)
+        losses.append(float(loss))
+        opt.step()
+    return losses
+
+
+def _one_loop(rank, world):
+    torch.set_num_threads(1)
+    out = {}
+    for name, between in (("slow", "100 MB/s"), ("fast", "10 GB/s")):
+        for ddp_style in (False, True):
+            model, inputs = load("gpt", batch=8, dtype=torch.float64)
+            module = hapc.compile(model, groups(between, per_group=1), inputs)
+            losses = _two_steps(module, inputs, ddp_style)
+            got = {"kind": type(module).__name__, "losses": losses, "state": module.full_state_dict()}
+            if ddp_style:  # then: an evaluation, and a backward of a scaled loss
+                with torch.no_grad():
+                    got["eval"] = float(module(*inputs))
+                module.zero_grad()
+                (3 * module(*inputs)).backward()
+                got["grads"] = module.full_gradients()
+            if ddp_style and name == "slow":  # the pipeline refuses what it cannot run exactly
+                first, second = module(*inputs), module(*inputs)  # the first one's forwards are dropped
+                with pytest.raises(hapc.HapcError) as accumulate:
+                    (first + second).backward()
+                with pytest.raises(hapc.HapcError) as seeds:
+                    (module(*inputs) * (1 + rank)).backward()
+                got["refused"] = [str(accumulate.value), str(seeds.value)]
+            out[name, ddp_style] = got
+    return out
+
+
+def test_one_training_loop_serves_every_plan_kind():
+    """``loss = module.train_step(*batch)``, and DDP's ``loss = module(*batch); loss.backward()``,
+    train whichever kind the planner chose -- a pipeline on the slow link, SPMD on the fast one --
+    exactly as one device does (float64, 2 steps); then a no-grad evaluation and the gradients of
+    ``3 * loss`` equal one device's."""
+    results = run_distributed(_one_loop, 2, timeout=300)
+    model, inputs = load("gpt", batch=8, dtype=torch.float64)
+    want = _two_steps(model, inputs, True)
+    state = model.state_dict()
+    with torch.no_grad():
+        evaluation = float(model(*inputs))
+    model.zero_grad()
+    (3 * model(*inputs)).backward()
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    for r in results:
+        for (name, ddp_style), got in r.items():
+            what = f"{name}, {'module(*batch)' if ddp_style else 'train_step'}"
+            assert got["kind"] == ("PipelineModule" if name == "slow" else "CompiledModule"), what
+            assert got["losses"] == pytest.approx(want, rel=1e-10), what
+            assert set(got["state"]) == set(state), what
+            for k, v in state.items():
+                torch.testing.assert_close(got["state"][k], v, rtol=1e-9, atol=1e-12, msg=f"{what}: {k}")
+            if ddp_style and name == "slow":
+                accumulate, seeds = got["refused"]
+                assert "followed by another forward" in accumulate and "one backward per forward" in accumulate
+                assert "differs between the ranks (from 1 to 2)" in seeds
+            if ddp_style:
+                assert got["eval"] == pytest.approx(evaluation, rel=1e-10), what
+                for k, v in grads.items():
+                    torch.testing.assert_close(got["grads"][k], v, rtol=1e-9, atol=1e-12, msg=f"{what}: grad {k}")
 
 
 # -- the layering: the pipeline runtime plans through hapc.planner, not the façade ------------------

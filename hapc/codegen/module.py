@@ -177,6 +177,19 @@ class CompiledModule(nn.Module):
 
     # -- running ------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._structured(*self._run(*args, **kwargs))
+
+    def train_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Forward and backward of one batch; returns the batch loss (detached). The same call as a
+        pipelined module's :meth:`~hapc.pipeline.runtime.PipelineModule.train_step`, so one loop --
+        ``loss = module.train_step(*batch); optimizer.step()`` -- trains whichever plan kind
+        ``hapc.compile`` chose; ``module(*batch)`` then ``loss.backward()`` is the same step here."""
+        loss, _ = self._run(*args, **kwargs)
+        loss.backward()
+        return loss.detach()
+
+    def _run(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, tuple]:
+        """The program on one batch: the loss and the model's other returned tensors."""
         names = self._input_names
         bound = dict(zip(self._positional, args))
         bound.update(kwargs)
@@ -235,7 +248,7 @@ class CompiledModule(nn.Module):
         for key in self._counters:
             if key in self._unused:
                 self._unused[key] += 1
-        return self._structured(out, extras)
+        return out, extras
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CompiledModule:
         """A copy with its own parameters and buffers on the same ranks and process groups (which

@@ -156,7 +156,9 @@ class PipelineModule(nn.Module):
     """This rank's stage of a pipeline. ``loss = module.train_step(*batch)`` runs forward and
     backward of every micro-batch by the schedule and leaves each local parameter with exactly
     its share of the single-device gradient of the whole batch; then step any optimizer over
-    ``module.parameters()``. The returned loss is the batch loss, on every rank."""
+    ``module.parameters()``. The returned loss is the batch loss, on every rank. DDP's
+    ``loss = module(*batch); loss.backward()`` trains the same step in GPipe's order
+    (:meth:`forward`)."""
 
     def __init__(
         self,
@@ -261,6 +263,7 @@ class PipelineModule(nn.Module):
         self._warm = [min(w, self.replica_micro) for w in spec.warmups]
         self._pool: list[torch.Tensor] = []  # activation receive buffers, reused across micro-batches and steps
         self._grad_pool: list[torch.Tensor] = []  # output-gradient receive buffers, likewise
+        self._pending: _Step | None = None  # a forward() awaiting its loss's backward
         # emulated links, as (stage, stage + 1) pairs; all of them unless ``emulate["between"]`` says
         self._slow_links = {tuple(p) for p in (emulate or {}).get("between", zip(range(S), range(1, S)))}
         # state_dict names (and shapes) of the parameters and buffers each stage holds
@@ -269,15 +272,51 @@ class PipelineModule(nn.Module):
         ]
 
     # -- the step -------------------------------------------------------------------------------------
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise HapcError(
-            "a pipelined module does not run a forward alone: its micro-batches' forwards and backwards "
-            "interleave by the schedule. Train with `loss = module.train_step(*batch)`, then optimizer.step()"
-        )
+    def forward(self, *inputs: Any) -> torch.Tensor:
+        """``loss = module(*batch)`` then ``loss.backward()``, as with DDP: the forwards of every
+        micro-batch now, their backwards when the loss's backward runs (GPipe's order: exact like
+        :meth:`train_step`, but every micro-batch's activations are held until the backward, where
+        the planned schedule holds only its in-flight ones -- :meth:`train_step` is the faster
+        step and the one the plan's memory check is for).
+
+        Returns the batch loss on every rank; its backward seeds the last stage with the gradient
+        it is given (``(2 * loss).backward()`` doubles every gradient), which must be the same on
+        every rank. Under ``torch.no_grad()`` only the forwards run (evaluation). A forward whose
+        loss is never backpropagated is dropped at the next forward or step; one loss per backward:
+        summing two forwards' losses before one backward is refused."""
+        step, hi = self._begin(inputs)
+        rng = self.module.rng
+        for kind, m in self._calls:
+            if kind in _FORWARD:
+                getattr(step, kind)(m)
+        if rng.drops:
+            rng.step += self.num_micro - hi
+        loss = self._batch_loss(step.losses, step.weights, inputs)
+        if not torch.is_grad_enabled():  # (the same on every rank: one that would skip the backward would hang it)
+            self._drop(step)
+            return loss
+        self._pending = step
+        anchor = torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
+        return _PipelineLoss.apply(anchor, loss, self, step)
 
     def train_step(self, *inputs: Any) -> torch.Tensor:
+        """Forward and backward of every micro-batch by the planned schedule; the batch loss."""
+        step, hi = self._begin(inputs)
+        rng = self.module.rng
+        for kind, m in self._calls:
+            getattr(step, kind)(m)  # one method per action kind, as fx's Interpreter
+        if rng.drops:
+            rng.step += self.num_micro - hi
+        self._finish(step)
+        return self._batch_loss(step.losses, step.weights, inputs)
+
+    def _begin(self, inputs: Sequence[Any]) -> tuple[_Step, int]:
+        """A step over this replica's micro-batches of ``inputs``, and the end of their range (a
+        forward left without its backward is dropped first)."""
         if len(inputs) != len(self.input_names):
-            raise TypeError(f"train_step takes the model inputs {self.input_names}, got {len(inputs)} values")
+            raise TypeError(f"the pipeline takes the model inputs {self.input_names}, got {len(inputs)} values")
+        if self._pending is not None:
+            self._drop(self._pending)
         batches = [dict(zip(self.input_names, b)) for b in micro_batches(inputs, self.num_micro, self.batch)]
         weights = self._micro_weights(batches)  # in the global batch loss
         lo, hi = self.replica * self.replica_micro, (self.replica + 1) * self.replica_micro
@@ -286,16 +325,53 @@ class PipelineModule(nn.Module):
         rng = self.module.rng
         if rng.drops:  # this replica's micro-batches draw as they would in one pipeline of all of them
             rng.step += lo
-        for kind, m in self._calls:
-            getattr(step, kind)(m)  # one method per action kind, as fx's Interpreter
+        return step, hi
+
+    def _finish(self, step: _Step) -> None:
+        """After a step's last backward: its sends waited on, replicas summed, gradients marked."""
         step.release(list(step.sends))  # the sends whose receipt no later message proved
-        if rng.drops:
-            rng.step += self.num_micro - hi
         if self.num_replicas > 1:
             self._sum_replicas()
         self.compute_seconds = step.compute
         mark_stage_grads(self.module)
-        return self._batch_loss(step.losses, step.weights, inputs)
+
+    def _drop(self, step: _Step) -> None:
+        """Forget a step that ran its forwards only. Every message of a forward is received within
+        the forwards (the next stage's receives come before its loss all-reduce, which every rank
+        reached), so waiting on its sends returns at once."""
+        step.release(list(step.sends))
+        step.outs.clear()
+        step.acts.clear()
+        self._pool.extend(step.raw.values())
+        step.raw.clear()
+        step.dropped = True
+        if self._pending is step:
+            self._pending = None
+
+    def _backward(self, step: _Step, scale: float) -> None:
+        """The backwards of a :meth:`forward`'s micro-batches, the last stage seeded by ``scale``."""
+        if step.dropped or self._pending is not step:
+            raise HapcError(
+                "this loss's pipeline forward was followed by another forward or step before its backward, or was "
+                "backpropagated already: a pipelined module runs one forward, then its backward. Call "
+                "loss.backward() after each forward (for gradient accumulation, one backward per forward: the "
+                "gradients add up), or use loss = module.train_step(*batch)"
+            )
+        agree = torch.tensor([scale, -scale], dtype=torch.float64, device=self.device)
+        dist.all_reduce(agree, op=dist.ReduceOp.MAX, group=self.job)
+        if float(agree[0]) != -float(agree[1]):
+            raise HapcError(
+                f"the gradient seeding the pipeline's loss differs between the ranks (from {-float(agree[1]):g} to "
+                f"{float(agree[0]):g}): every rank holds the same batch loss and must backpropagate it alike, e.g. "
+                "loss.backward() or (loss / accumulation_steps).backward() on every rank"
+            )
+        step.scale = scale
+        self._pending = None
+        with torch.enable_grad():  # (autograd runs a Function's backward without it)
+            for kind, m in self._calls:
+                if kind not in _FORWARD:
+                    getattr(step, kind)(m)
+        self._finish(step)
 
     def _sum_replicas(self) -> None:
         """Sum this rank's gradients with the same stage position's in every other replica (one flat
@@ -495,6 +571,25 @@ class PipelineModule(nn.Module):
         return out
 
 
+#: the actions of the forward half of a step (:meth:`PipelineModule.forward` runs them alone)
+_FORWARD = frozenset({"RECV_ACT", "F", "SEND_ACT"})
+
+
+class _PipelineLoss(torch.autograd.Function):
+    """The batch loss of :meth:`PipelineModule.forward`, whose backward runs the micro-batches'."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, loss: torch.Tensor, pm: PipelineModule, step: _Step) -> torch.Tensor:
+        ctx.pm, ctx.step = pm, step
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
+        ctx.pm._backward(ctx.step, float(grad))
+        ctx.step = None  # its activations and buffers are not held past the backward
+        return None, None, None, None
+
+
 class _Step:
     """The state of one training step on one rank while its actions run (see the module table).
 
@@ -525,6 +620,8 @@ class _Step:
         self.compute = 0.0
         self.backwards = 0
         self.weights: list[float] = []
+        self.scale = 1.0  # the gradient of the batch loss the last stage's seeds are multiplied by
+        self.dropped = False  # forwards only, never to be backpropagated (PipelineModule._drop)
         k = pm.stage
         self.prev = k - 1 if k > 0 else None
         self.next = k + 1 if k < pm.num_stages - 1 else None
@@ -620,7 +717,7 @@ class _Step:
         out = self.outs.pop(m)
         # the batch loss is the weighted sum of the micro-batches' losses: seed each with its weight
         if self.next is None:
-            seed = torch.tensor(self.weights[m], dtype=out.dtype, device=out.device)
+            seed = torch.tensor(self.weights[m] * self.scale, dtype=out.dtype, device=out.device)
         else:
             seed = self.grads.pop(m)
         self.backwards += 1
