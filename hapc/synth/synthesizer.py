@@ -691,11 +691,20 @@ def data_parallel_program(
     where data parallelism cannot compute the loss. An upper bound for :func:`synthesize_program`."""
     from .baselines import restrict
 
+    # the triples DP-EV allows depend on the theory and the device count only: found once per pair
+    # (a pipeline plan prices many sub-meshes of one stage theory, each with its incumbent)
+    known = space.theory.__dict__.setdefault("_dp_ev_triples", {})
+    if space.m not in known:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # restrict's note that DP is priced as an upper bound
+                known[space.m] = frozenset(restrict(space.theory, "dp-ev", space.m))
+        except InfeasibleError:
+            known[space.m] = None
+    if known[space.m] is None:
+        return None
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # restrict's note that DP is priced as an upper bound
-            allowed = space.allowed & restrict(space.theory, "dp-ev", space.m)
-        sub = space.restricted(allowed)
+        sub = space.restricted(space.allowed & known[space.m])
         return synthesize_program(sub, model, ratios, progress, incumbent=False)
     except InfeasibleError:
         return None
