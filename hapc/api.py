@@ -211,14 +211,6 @@ def compile(
     theory_opts["variants"] = tuple(theory_opts["variants"])
     theory = derive(graph, **theory_opts)
     _verify_user_rules(theory, graph, example_inputs)
-    if blocked is None and len(graph.outputs) > 1:
-        # the pipeline's train_step returns the batch loss alone: the model's other outputs (logits
-        # for a metric) come back from the SPMD module only, so a pipeline is not picked silently
-        blocked = (
-            f"the model returns {len(graph.outputs) - 1} tensor(s) besides its loss, which only the SPMD module "
-            "hands back (a pipeline's train_step returns the loss alone); pipeline=True trains it pipelined "
-            "without them"
-        )
     if plan is None:
         kinds = ("spmd",) if pipeline is False else KINDS
         kind, plan, priced = _agree_on_choice(

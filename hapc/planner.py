@@ -334,6 +334,21 @@ def pipeline_blocker(
     return None
 
 
+def outputs_blocker(graph: Any) -> str | None:
+    """Why the plan-kind choice leaves the pipeline out for a model returning more than its loss
+    (None: it returns the loss alone): a pipeline's ``train_step`` and forward return the batch loss
+    alone, the SPMD module hands the other tensors (logits for a metric) back, so picking a
+    pipeline by cost would change what the user's call returns. An explicit pipeline still runs."""
+    extra = len(graph.outputs) - 1
+    if extra < 1:
+        return None
+    return (
+        f"the model returns {extra} tensor(s) besides its loss, which only the SPMD module hands back (a "
+        "pipeline returns the loss alone); pipeline=True (hapc synth --kind pipeline) trains it pipelined "
+        "without them"
+    )
+
+
 def micro_mismatch(batch: int, num_micro: int) -> str:
     """The refusal of a ``num_micro`` that does not divide the batch, naming the fix."""
     divisors = ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0)
@@ -492,6 +507,8 @@ def choose_plan(
             pipeline_blocked
             or (f"SPMD-only option(s) given: {', '.join(spmd_only)}" if spmd_only else None)
             or pipeline_blocker(model, cluster, example_inputs, num_micro)
+            # a choice between the kinds (the SPMD theory is there: it was priced first)
+            or (outputs_blocker(theory.graph) if "spmd" in kinds and theory is not None else None)
         )
         if blocker is not None:
             out.append(KindEstimate(kind, "not applicable", reason=blocker))

@@ -173,6 +173,19 @@ def test_the_micro_batch_count_is_chosen_by_cost(alias, batch, between):
         assert choice.time <= each[8]
 
 
+def test_a_model_returning_more_than_its_loss_is_not_pipelined_by_the_choice():
+    """The choice by cost must not change what the call returns: only the SPMD module hands back a
+    model's other outputs. An explicit pipeline still runs."""
+    model, inputs = load("gpt", batch=8)
+    plain = choose_plan(model, groups("100 MB/s"), inputs)
+    assert plain.kind == "pipeline"  # the cluster where the loss-only model pipelines
+    extra = choose_plan(_WithExtra(model), groups("100 MB/s"), inputs)
+    assert extra.kind == "spmd" and extra.kinds[1].status == "not applicable"
+    assert "1 tensor(s) besides its loss" in extra.kinds[1].reason and "pipeline=True" in extra.kinds[1].reason
+    forced = choose_plan(_WithExtra(model), groups("100 MB/s"), inputs, kinds=("pipeline",))
+    assert forced.kind == "pipeline"
+
+
 def test_only_the_requested_kinds_are_priced():
     model, inputs = load("gpt", batch=8)
     only = choose_plan(model, groups("100 MB/s"), inputs, kinds=("spmd",))
