@@ -135,10 +135,12 @@ def compile(
             (:func:`hapc.planner.choose_plan`; the kinds priced are in ``module.plan.predicted["kinds"]``
             or ``module.plan_kinds``); options only the SPMD runtime takes (``group``, ``device``,
             ``init``, ``leaf_modules``, ``capture``, ``loss``, ``outputs``, keyword inputs, a ``baseline``
-            or ``ratios``) leave the pipeline out. A pipelined result is a
-            :class:`~hapc.pipeline.PipelineModule`: train with ``loss = module.train_step(*batch)``
-            (forward and backward of ``num_micro`` micro-batches by ``schedule``: ``"h1f1b"``,
-            ``"1f1b"`` or ``"eager-1f1b"``), then step the optimizer. ``num_micro``: the pipeline's
+            or ``ratios``), and a model returning tensors besides its loss, leave the pipeline out. A
+            pipelined result is a :class:`~hapc.pipeline.PipelineModule`: train with
+            ``loss = module.train_step(*batch)`` (forward and backward of ``num_micro`` micro-batches by
+            ``schedule``: ``"h1f1b"``, ``"1f1b"`` or ``"eager-1f1b"``), then step the optimizer;
+            ``train_step`` exists on the SPMD module too, and DDP's ``loss = module(*batch);
+            loss.backward()`` runs on both (on a pipeline in GPipe's order). ``num_micro``: the pipeline's
             micro-batch count; default (``None``): the planner's cheapest among the divisors of the
             batch (:func:`hapc.planner.search_micro`); a count that does not divide the batch is
             refused (HapcError).
