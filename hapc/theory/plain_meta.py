@@ -13,8 +13,8 @@ imports ``sympy`` itself to ask ``isinstance(x, sympy.Basic)``. That module impo
 0.5 s and 480 modules of a cold ``hapc synth``, for answers that on plain values are the values
 themselves.
 
-:func:`without_sympy` stands in for both modules while hapc's own tracer runs, where neither has
-been imported yet:
+:func:`without_sympy` stands in for both modules, where neither has been imported yet, while torch's
+meta kernels run for hapc's tracer -- each evaluation, never the model's own code around it:
 
 * ``torch.fx.experimental.symbolic_shapes``: the functions the meta kernels call, each answering a
   plain argument exactly as torch's does (``guard_or_false(b) = b`` for a ``bool`` b, ``sym_eq``
@@ -48,7 +48,7 @@ import importlib
 import operator
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -229,24 +229,43 @@ def _sympy_standin() -> _StandIn:
 _STANDINS: dict[str, _StandIn] = {SYMPY: _sympy_standin(), SHAPES: _shapes_standin()}
 
 
-@contextlib.contextmanager
-def without_sympy() -> Iterator[None]:
-    """The block runs torch's meta kernels with the stand-ins for the modules not yet imported (see
-    the module docstring); they leave ``sys.modules`` when it ends."""
-    placed = []
-    for name, standin in _STANDINS.items():
-        if name not in sys.modules and standin.__dict__.get("_hapc_standin"):
-            sys.modules[name] = standin
-            _set_parent_attr(name, standin)
-            placed.append(name)
-    try:
-        yield
-    finally:
-        for name in placed:
+class _Window:
+    """While open (re-entrant), the stand-ins are in ``sys.modules`` for the modules not imported yet."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.placed: list[str] = []
+
+    def __enter__(self) -> None:
+        self.depth += 1
+        if self.depth > 1:
+            return
+        for name, standin in _STANDINS.items():
+            if name not in sys.modules and standin.__dict__.get("_hapc_standin"):
+                sys.modules[name] = standin
+                _set_parent_attr(name, standin)
+                self.placed.append(name)
+
+    def __exit__(self, *exc: object) -> None:
+        self.depth -= 1
+        if self.depth:
+            return
+        for name in self.placed:
             standin = _STANDINS[name]
             if sys.modules.get(name) is standin:
                 del sys.modules[name]
                 _set_parent_attr(name, None, standin)
+        self.placed.clear()
+
+
+_WINDOW = _Window()
+
+
+def without_sympy() -> contextlib.AbstractContextManager[None]:
+    """A block of torch's own meta kernels (no user code: a model's forward must see the real modules)
+    with the stand-ins for the modules not yet imported (see the module docstring); they leave
+    ``sys.modules`` when it ends. Re-entrant."""
+    return _WINDOW
 
 
 # -- a memo of meta evaluations --------------------------------------------------------------------
@@ -310,6 +329,19 @@ def _rebuild(tmpl: Any) -> Any:
     return kind(_rebuild(p) for p in parts) if kind in (tuple, list) else kind([_rebuild(p) for p in parts])
 
 
+_TORCH_MODULES = ("_operator", "builtins", "math")
+
+
+def _torch_code(fn: Any, args: tuple, method: str | None) -> bool:
+    """Whether the call runs torch's code only: a plain tensor's method, a function of torch (or of
+    operator / builtins / math, which dispatch to the tensor's methods) or one of hapc's own ops
+    (``hapc.ops``: torch calls on their operands)."""
+    if method is not None:
+        return bool(args) and type(args[0]) in _TENSOR_TYPES
+    module = getattr(fn, "__module__", None) or ""
+    return module.split(".", 1)[0] in ("torch", "hapc") or module in _TORCH_MODULES
+
+
 class MetaMemo:
     """Meta evaluations of one trace, keyed by what a meta kernel reads: the function (or method
     name), every argument's metadata and plain value, the default dtype and grad mode. A transformer's
@@ -325,14 +357,19 @@ class MetaMemo:
         self.hits = 0
 
     def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict, method: str | None = None) -> Any:
-        """``fn(*args, **kwargs)`` (or ``args[0].method(*args[1:], **kwargs)``), from the memo where it can."""
+        """``fn(*args, **kwargs)`` (or ``args[0].method(*args[1:], **kwargs)``), from the memo where it can.
+        Only torch's own functions and tensor methods are memoised and see the stand-ins; a user's
+        function (a ``custom_op``, an autograd Function) runs as it is, every time."""
+        if not _torch_code(fn, args, method):
+            return getattr(args[0], method)(*args[1:], **kwargs) if method is not None else fn(*args, **kwargs)
         key = self._key(fn, args, kwargs, method)
         if key is not None:
             tmpl = self.table.get(key)
             if tmpl is not None:
                 self.hits += 1
                 return _rebuild(tmpl)
-        out = getattr(args[0], method)(*args[1:], **kwargs) if method is not None else fn(*args, **kwargs)
+        with _WINDOW:  # torch's kernels only: the stand-ins are never visible to a model's own code
+            out = getattr(args[0], method)(*args[1:], **kwargs) if method is not None else fn(*args, **kwargs)
         if key is not None:
             tmpl = _template(out, args, kwargs)
             if tmpl is not None:

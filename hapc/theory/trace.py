@@ -180,7 +180,7 @@ class _Tracer(fx.Tracer):
             fast = _fast_leaf_value(mod, args, kwargs)
             if fast is not None:
                 return fast
-            with _unpatched_modules():
+            with _unpatched_modules(), _torch_kernels(mod):
                 return _call_leaf(mod, args, kwargs)
 
 
@@ -433,7 +433,7 @@ def _trace_fx(model: nn.Module, example_inputs: Any, leaf_modules: Sequence[type
         finally:
             tracer.region = None
 
-    with _meta_kernels_without_dynamo(), without_sympy():  # neither dynamo nor sympy: static shapes
+    with _meta_kernels_without_dynamo():
         try:
             with checkpoint_regions(enter):
                 graph = tracer.trace(model, concrete_args=_none_inputs(model, example_inputs))
@@ -712,7 +712,9 @@ def _propagate(
                     elif node.op == "call_method":
                         out = memo.call(None, args, kwargs, method=node.target)
                     else:
-                        out = _call_leaf(gm.get_submodule(node.target), args, kwargs)
+                        mod = gm.get_submodule(node.target)
+                        with _torch_kernels(mod):
+                            out = _call_leaf(mod, args, kwargs)
                     env[node] = out
                     flops[node] = _flops(node, args, kwargs, out)
             except TraceError:
@@ -756,6 +758,12 @@ def _flops(node: fx.Node, args: tuple, kwargs: dict, out: Any) -> float:
             _call_leaf(node.graph.owning_module.get_submodule(node.target), args, kwargs)
         return float(counter.get_total_flops())
     return contraction_flops(canonical_name(node.target, node.op == "call_method"), args, kwargs, out)
+
+
+def _torch_kernels(mod: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Around a leaf module's meta evaluation: torch's own modules (``NORMALISERS``) run only torch's
+    kernels, which need no sympy (``plain_meta.without_sympy``); a user's leaf runs its own code as is."""
+    return without_sympy() if type(mod) in NORMALISERS else contextlib.nullcontext()
 
 
 def _call_leaf(mod: nn.Module, args: tuple, kwargs: dict) -> Any:
