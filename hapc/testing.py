@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import signal
-import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -51,14 +52,8 @@ def cluster_of(
     )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(
-    fn: Callable, rank: int, world: int, port: int, queue: Any, args: tuple, timeout: float, speed: Any = None
+    fn: Callable, rank: int, world: int, store: str, queue: Any, args: tuple, timeout: float, speed: Any = None
 ) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -69,7 +64,7 @@ def _worker(
             emulate.apply(speed[0], rank, world, speed[1])
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=f"file://{store}",
             rank=rank,
             world_size=world,
             timeout=timedelta(seconds=timeout),
@@ -118,11 +113,15 @@ def run_distributed(
         tags = [f"hapc-{os.getpid()}-{time.monotonic_ns()}-rank{r}" for r in range(world_size)]
     ctx = mp.get_context("fork")
     queue = ctx.SimpleQueue()
-    port = free_port()
+    # the rendezvous is a file of this call's own: a TCP port picked free and bound later by the
+    # store could be taken meanwhile by another job's (two suites or test workers at once), whose
+    # ranks then met ours ("Gloo connectFullMesh failed ... Connection closed by peer")
+    rendezvous = tempfile.mkdtemp(prefix="hapc-rendezvous-")
+    store = os.path.join(rendezvous, "store")
     procs = {
         r: ctx.Process(
             target=_worker,
-            args=(fn, r, world_size, port, queue, args, timeout, (speeds[r], tags[r]) if speeds is not None else None),
+            args=(fn, r, world_size, store, queue, args, timeout, (speeds[r], tags[r]) if speeds is not None else None),
         )
         for r in range(world_size)
         if r not in set(absent)
@@ -156,6 +155,7 @@ def run_distributed(
         if p.is_alive():
             p.kill()
             p.join()
+    shutil.rmtree(rendezvous, ignore_errors=True)
     if tags:
         from . import emulate
 

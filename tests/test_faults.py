@@ -81,9 +81,8 @@ def test_a_rank_that_never_joins_times_out_the_rendezvous():
     e = err.value
     assert e.absent == [2] and e.hung == [] and e.died == {}
     assert set(e.errors) == {0, 1}
-    assert "2/3 clients joined" in e.errors[0]  # rank 0 hosts the rendezvous: it says who is missing
-    assert "timeout" in e.errors[1].lower()
-    assert "rank 2 was never started" in str(e)
+    assert all("timeout" in e.errors[r].lower() for r in (0, 1))  # both gave up waiting at the rendezvous
+    assert "rank 2 was never started" in str(e)  # and the harness says who is missing
 
 
 def _hung_collective(rank, world, plan, flag_dir):
