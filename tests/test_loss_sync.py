@@ -297,3 +297,53 @@ def test_ranks_whose_whole_batches_drift_apart_are_told():
     want = model(*inputs).item()
     for whole, first in run_distributed(_drift, 3):
         assert whole is True and first == pytest.approx(want, rel=1e-12)
+
+
+class _WithLogits(torch.nn.Module):
+    """Returns ``(loss, logits)``: the program gathers the logits after its loss's ``global_value``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 5)
+
+    def forward(self, x, y):
+        logits = self.fc(x)
+        return torch.nn.functional.cross_entropy(logits, y), logits
+
+
+def _slow_rank0_outputs(rank, world):
+    """Rank 0 is held up between its loss and the gather of its logits past the loss's deadline,
+    so its deadline thread starts the loss all-reduce there, while rank 1 goes straight on to the
+    gather: every rank must still issue the two collectives in the same order."""
+    from hapc.collectives import outputs
+
+    torch.manual_seed(0)
+    model, x, y = _WithLogits().double(), torch.randn(7, 6, dtype=F64), torch.randint(0, 5, (7,))
+    m = hapc.compile(model, "local-cpu:2", (x, y), plan=None, baseline="dp-cp")
+    real = outputs.gather_impl
+    if rank == 0:
+        def late(*args, **kwargs):
+            time.sleep(0.3)  # six deadlines (DEADLINE_S = 50 ms)
+            return real(*args, **kwargs)
+
+        outputs.gather_impl = late
+    out = []
+    for _ in range(2):
+        m.zero_grad(set_to_none=True)
+        loss, logits = m(x, y)
+        loss.backward()
+        out.append((loss.item(), logits.detach().clone(), m.full_gradients()))
+    return out
+
+
+def test_a_slow_rank_gathering_outputs_after_the_loss_keeps_the_collective_order():
+    torch.manual_seed(0)
+    model, x, y = _WithLogits().double(), torch.randn(7, 6, dtype=F64), torch.randint(0, 5, (7,))
+    loss, logits = model(x, y)
+    loss.backward()
+    want = {k: p.grad for k, p in model.named_parameters()}
+    for out in run_distributed(_slow_rank0_outputs, 2, timeout=20):
+        for value, got, grads in out:
+            assert value == pytest.approx(loss.item(), rel=1e-12)
+            assert_close(got, logits.detach(), F64, "logits")
+            assert_close(grads, want, F64, "grads")

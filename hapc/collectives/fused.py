@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import ops as hops
-from .ops import Group, all_gather, all_reduce, gather_impl, reduce_scatter
+from .ops import Group, all_gather, all_reduce, flush_losses, gather_impl, reduce_scatter
 
 
 def sync_batch_norm(
@@ -87,6 +87,7 @@ def _global_slots(idx: torch.Tensor, num_experts: int, group: Group) -> torch.Te
     counts = onehot.sum(1)  # [k, E]
     world = dist.get_world_size(group)
     bufs = [torch.empty_like(counts) for _ in range(world)]
+    flush_losses()
     dist.all_gather(bufs, counts.contiguous(), group=group)
     me = dist.get_rank(group)
     totals = sum(bufs[1:], bufs[0])

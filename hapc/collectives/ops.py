@@ -65,6 +65,7 @@ def _global_rank(group: Group, r: int) -> int:
 
 
 def gather_impl(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Group, variant: str) -> torch.Tensor:
+    flush_losses()  # every collective: see flush_losses
     me = _rank(group)
     if x.shape[dim] != sizes[me]:
         raise RuntimeError(f"all_gather: local shard has {x.shape[dim]} on dim {dim}, expected {sizes[me]}")
@@ -88,6 +89,7 @@ def gather_impl(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Group, v
 
 
 def scatter_impl(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Group, variant: str) -> torch.Tensor:
+    flush_losses()
     me = _rank(group)
     if x.shape[dim] != sum(sizes):
         raise RuntimeError(f"reduce_scatter: tensor has {x.shape[dim]} on dim {dim}, expected {sum(sizes)}")
@@ -108,6 +110,7 @@ def scatter_impl(x: torch.Tensor, dim: int, sizes: Sequence[int], group: Group, 
 
 
 def reduce_impl(x: torch.Tensor, group: Group) -> torch.Tensor:
+    flush_losses()
     out = x.contiguous().clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
@@ -116,6 +119,7 @@ def reduce_impl(x: torch.Tensor, group: Group) -> torch.Tensor:
 def a2a_impl(
     x: torch.Tensor, src_dim: int, dst_dim: int, src_sizes: Sequence[int], dst_sizes: Sequence[int], group: Group
 ) -> torch.Tensor:
+    flush_losses()
     me = _rank(group)
     if x.shape[src_dim] != src_sizes[me]:
         raise RuntimeError(f"all_to_all: local shard has {x.shape[src_dim]} on dim {src_dim}, expected {src_sizes[me]}")
@@ -261,6 +265,7 @@ def all_reduce_start(x: torch.Tensor, group: Group = None, known: torch.Tensor |
     if x.requires_grad:
         raise RuntimeError("all_reduce_start is for tensors without gradients; use all_reduce")
     out = x.detach().contiguous().clone()
+    flush_losses()
     return Pending(out, dist.all_reduce(out, group=group, async_op=True))
 
 
@@ -291,6 +296,7 @@ def global_value(partial: torch.Tensor, group: Group = None) -> torch.Tensor:
     if channel is not None and channel.group is group:
         return channel.defer(partial, checks)
     total = partial.detach().clone()
+    flush_losses()
     return _global_loss(partial, Pending(total, dist.all_reduce(total, group=group, async_op=True)))
 
 
@@ -401,7 +407,11 @@ os.register_at_fork(after_in_child=_after_fork)
 
 def flush_losses() -> None:
     """Start every deferred loss all-reduce of this process now, oldest first (see
-    :class:`LossChannel`); a hapc module calls it before any collective of its own."""
+    :class:`LossChannel`). Every collective of hapc's calls it first -- a module's own, and every
+    collective of a program (the gathers of its other outputs come *after* its loss's
+    ``global_value``): the deadline thread may start a loss at any moment, so a collective that
+    did not flush first could go out before the loss on one rank and after it on another, and the
+    ranks' collectives would pair wrongly (a hang, or a wrong sum; CI saw tiny T5 time out)."""
     if _QUEUE.waiting:
         with _QUEUE.cond:
             _QUEUE.flush()

@@ -15,10 +15,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..errors import HapcError
-from .ops import gather_impl
+from .ops import gather_impl, reduce_impl
 
 
 class _MetricsOnly(torch.autograd.Function):
@@ -49,12 +48,11 @@ def output_whole(
 ) -> torch.Tensor:  # fmt: skip
     """This rank's piece of output ``name`` made whole: ``kind`` is ``"R"`` (already whole),
     ``"S"`` (gather ``sizes`` along ``dim``) or ``"P"`` (sum over ranks)."""
-    with torch.no_grad():
+    with torch.no_grad():  # (each collective starts the loss's deferred all-reduce first: flush_losses)
         if kind == "S":
             whole = gather_impl(x.detach().contiguous(), dim, list(sizes), group, "padded")
         elif kind == "P":
-            whole = x.detach().clone()
-            dist.all_reduce(whole, group=group)
+            whole = reduce_impl(x.detach(), group)
         else:
             whole = x.detach()
     if x.requires_grad and torch.is_grad_enabled():
