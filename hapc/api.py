@@ -12,6 +12,7 @@ from .cluster import Cluster
 from .errors import HapcError
 from .plan import Plan
 from .planner import KINDS, SYNTH_OPTIONS, THEORY_OPTIONS, choose_plan, synthesize_theory
+from .synth.baselines import needs_param_comm
 from .synth.search import Progress
 
 __all__ = ["KINDS", "SYNTH_OPTIONS", "THEORY_OPTIONS", "choose_plan", "compile", "synthesize", "synthesize_theory"]
@@ -48,7 +49,8 @@ def synthesize(
             A*); see :mod:`hapc.synth.synthesizer`.
         rounds: maximum synthesis/balance alternations.
         solver: ``"cbc"`` or ``"highs"`` for the LP.
-        baseline: ``"dp-ev"``, ``"dp-cp"``, ``"ep"`` or ``"tp"`` to price a baseline instead.
+        baseline: ``"dp-ev"``, ``"dp-cp"``, ``"ep"``, ``"tp"`` or ``"fsdp"`` to price a baseline
+            instead (:mod:`hapc.synth.baselines`); ``"fsdp"`` derives with ``param_comm=True`` itself.
         ratios: fix the sharding ratios (one per device group of the cluster, in its order,
             weighted by group size summing to 1) instead of balancing them with the LP; the
             program is still synthesized for them.
@@ -66,6 +68,7 @@ def synthesize(
     t0 = time.perf_counter()
     graph = trace(model, example_inputs, leaf_modules=leaf_modules, capture=capture, loss=loss)
     t1 = time.perf_counter()
+    param_comm = param_comm or needs_param_comm(baseline)  # fsdp gathers sharded parameters
     theory = derive(graph, strict=strict, sfb=sfb, variants=variants, param_comm=param_comm)
     t2 = time.perf_counter()
     return synthesize_theory(
@@ -210,6 +213,8 @@ def compile(
     theory_opts = {"sfb": True, "variants": ("padded", "grouped"), "param_comm": False, "strict": False}
     source = plan.options if plan is not None else options
     theory_opts.update({k: source[k] for k in THEORY_OPTIONS if k in source})
+    if needs_param_comm(plan.baseline if plan is not None else options.get("baseline")):
+        theory_opts["param_comm"] = True  # fsdp gathers sharded parameters
     theory_opts["variants"] = tuple(theory_opts["variants"])
     theory = derive(graph, **theory_opts)
     _verify_user_rules(theory, graph, example_inputs)

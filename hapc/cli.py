@@ -3,7 +3,7 @@
     hapc rules [--json]                      every op the theory knows and how it may shard
     hapc theory MODEL [--json] [--verify]    the Hoare-triple theory of a model
     hapc synth MODEL --cluster C [--kind auto|spmd|pipeline] [--show-program] [--json PLAN]
-               [--baseline dp-ev|dp-cp|ep|tp] [--emit-code DIR]
+               [--baseline dp-ev|dp-cp|ep|tp|fsdp] [--emit-code DIR]
     torchrun --nproc-per-node N -m hapc.cli profile --out cluster.toml   (or: hapc profile --local N)
     hapc demo [--model M] [--cluster C]      the README's main job: synthesize, train, compare
 
@@ -30,7 +30,7 @@ from typing import Any
 from .errors import HapcError
 
 #: hapc.synth.baselines.BASELINES, spelled out so that parsing needs no torch (a test keeps them equal)
-BASELINES = ("dp-ev", "dp-cp", "ep", "tp")
+BASELINES = ("dp-ev", "dp-cp", "ep", "tp", "fsdp")
 #: hapc.planner.KINDS, likewise
 KINDS = ("spmd", "pipeline")
 #: models.ZOO's aliases, likewise: an unknown model is refused before torch is imported

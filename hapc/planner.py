@@ -62,7 +62,7 @@ from .balance.loop import balance
 from .cluster import Cluster
 from .errors import HapcError, InfeasibleError
 from .plan import Plan, PlanStage, program_from_triples
-from .synth.baselines import BASELINES, restrict
+from .synth.baselines import BASELINES, needs_param_comm, restrict
 from .synth.cost import CostModel
 from .synth.search import Progress
 from .synth.synthesizer import SynthSpace, shardable_triples
@@ -474,6 +474,8 @@ def choose_plan(
     theory_options = {"sfb": True, "variants": ("padded", "grouped"), "param_comm": False, "strict": False,
                       **(theory_options or {})}  # fmt: skip
     theory_options["variants"] = tuple(theory_options["variants"])
+    if needs_param_comm(synth_options.get("baseline")):  # fsdp gathers sharded parameters
+        theory_options["param_comm"] = True
     out: list[KindEstimate] = []
     plans: dict[str, Any] = {}
     for kind in KINDS:

@@ -5,7 +5,12 @@
 ``ep``     expert parallelism (GShard): data parallelism, with each MoE layer's expert weights
            sharded over the devices by expert and tokens exchanged by all-to-all, even ratios;
 ``tp``     Megatron-style tensor parallelism with even shards (column-parallel linears feeding
-           row-parallel ones, everything else replicated; Shoeybi et al. 2019).
+           row-parallel ones, everything else replicated; Shoeybi et al. 2019);
+``fsdp``   fully sharded data parallelism (ZeRO-3, Rajbhandari et al. 2020; PyTorch FSDP): data
+           parallelism, even ratios, with every parameter held sharded -- its weights, gradients
+           and optimizer state -- and all-gathered (replicated) before use, its gradient
+           reduce-scattered back to the shard (the all-gather's dual). Needs a theory derived with
+           ``param_comm=True`` (:func:`needs_param_comm`; hapc's entry points do so for it).
 
 Each is a *restriction* of the theory (which triples may be used) plus fixed ratios; the same
 search then finds the cheapest program inside the restriction, so baselines and hapc are priced
@@ -18,14 +23,21 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable
 
-from ..errors import InfeasibleError
+from ..errors import HapcError, InfeasibleError
 from ..theory.graph import BUFFER, INPUT, PARAM, RefGraph
 from ..theory.instructions import Collective, Compute, Source
 from ..theory.props import DONE, REPLICATED, Layout, Prop, shard
 from ..theory.triples import Theory
 
-BASELINES = ("dp-ev", "dp-cp", "ep", "tp")
+BASELINES = ("dp-ev", "dp-cp", "ep", "tp", "fsdp")
+#: baselines whose theory must be derived with ``param_comm=True`` (parameters communicated)
+PARAM_COMM_BASELINES = frozenset({"fsdp"})
 _REPLICATED_ONLY = frozenset({REPLICATED})
+
+
+def needs_param_comm(baseline: str | None) -> bool:
+    """Whether ``baseline`` needs a theory derived with ``param_comm=True``."""
+    return baseline in PARAM_COMM_BASELINES
 
 
 def restrict(theory: Theory, baseline: str, m: int) -> set[int]:
@@ -39,8 +51,14 @@ def restrict(theory: Theory, baseline: str, m: int) -> set[int]:
     warning naming the node: real DDP runs those ops locally, so the price is an upper bound.
     """
     g = theory.graph
-    if baseline in ("dp-ev", "dp-cp", "ep"):
+    if baseline in ("dp-ev", "dp-cp", "ep", "fsdp"):
         wanted = _dp_sources(g, m)
+        gathered: dict[int, Layout] = {}
+        if baseline == "fsdp":
+            gathered = _fsdp_params(theory, m)
+            if not gathered:
+                raise _no_fsdp(theory, m)
+            wanted.update({ref: frozenset({lay}) for ref, lay in gathered.items()})
         if baseline == "ep":
             experts = expert_parameters(g)
             if not experts:
@@ -52,18 +70,30 @@ def restrict(theory: Theory, baseline: str, m: int) -> set[int]:
                         f"{g[ref].shape[0]} experts; use at most that many devices"
                     )
                 wanted[ref] = frozenset({shard(0)})
+
         # only scalars (loss pieces) move, plus the all-reduces a batch-sharded op itself needs
         # (MoE token dispatch into replicated experts, batch sums) and free local slices (a
         # replicated tensor expanded to the batch, e.g. ViT's class token, cut to the local batch)
-        allow_comm = lambda ins: g[ins.ref].meta.rank == 0 or ins.op in ("all_reduce", "slice")  # noqa: E731
-        out = _select(theory, wanted, allow_comm)
+        # (FSDP: plus the all-gather of each sharded parameter; its backward is the reduce-scatter)
+        def allow_comm(ins: Collective) -> bool:
+            if ins.ref in gathered:
+                return ins.op == "all_gather" and ins.dst.is_replicated
+            return g[ins.ref].meta.rank == 0 or ins.op in ("all_reduce", "slice")
+
+        out = _select(theory, wanted, allow_comm, whole_params=baseline == "fsdp")
         if _reaches_loss(theory, out, m):
             return out
         stuck = _first_stuck(theory, out, m)
-        relaxed = _select(theory, wanted, lambda ins: True)
+        relaxed = _select(
+            theory,
+            wanted,
+            lambda ins: ins.ref not in gathered or (ins.op == "all_gather" and ins.dst.is_replicated),
+            whole_params=baseline == "fsdp",
+        )
         if not _reaches_loss(theory, relaxed, m):
             raise InfeasibleError(
-                f"{baseline} cannot be priced: with parameters replicated and inputs split by batch, no program "
+                f"{baseline} cannot be priced: with parameters "
+                f"{'gathered whole' if gathered else 'replicated'} and inputs split by batch, no program "
                 f"computes the loss (the first node left without one: {_where(g, stuck)}); "
                 "compare with another baseline (tp) or hapc's own plan"
             )
@@ -94,17 +124,29 @@ def restrict(theory: Theory, baseline: str, m: int) -> set[int]:
     raise ValueError(f"unknown baseline {baseline!r}; one of {BASELINES}")
 
 
-def _select(theory: Theory, wanted: dict[int, frozenset[Layout]], allow_comm: Callable[[Collective], bool]) -> set[int]:
+def _select(
+    theory: Theory,
+    wanted: dict[int, frozenset[Layout]],
+    allow_comm: Callable[[Collective], bool],
+    *,
+    whole_params: bool = False,
+) -> set[int]:
     """The triples whose sources take a wanted layout (replicated if unnamed) and whose
-    collectives ``allow_comm`` accepts."""
+    collectives ``allow_comm`` accepts; ``whole_params``: and whose computations read every
+    parameter replicated (FSDP computes on gathered weights, never on their shards)."""
+    g = theory.graph
     out = set()
     for k, t in enumerate(theory.triples):
         ok = True
         for ins in t.instrs:
             if isinstance(ins, Source) and ins.layout not in wanted.get(ins.ref, _REPLICATED_ONLY):
                 ok = False
-            if isinstance(ins, Collective) and not allow_comm(ins):
+            elif isinstance(ins, Collective) and not allow_comm(ins):
                 ok = False
+            elif whole_params and isinstance(ins, Compute):
+                operands = g[ins.ref].operands
+                if any(g[o].kind == PARAM and not lay.is_replicated for o, lay in zip(operands, ins.inputs)):
+                    ok = False
         if ok:
             out.add(k)
     return out
@@ -175,6 +217,54 @@ def _dp_sources(g: RefGraph, m: int) -> dict[int, frozenset[Layout]]:
         elif n.kind in (PARAM, BUFFER, INPUT) and n.index not in wanted:
             wanted[n.index] = _REPLICATED_ONLY
     return wanted
+
+
+def _fsdp_params(theory: Theory, m: int) -> dict[int, Layout]:
+    """The layout FSDP holds each parameter in: sharded on dim 0 where the theory can source it so
+    and all-gather it to replicated and dim 0 has at least ``m`` whole units (attention heads,
+    experts); else on the dim with the most units that can; else (left out of the result)
+    replicated, its gradient all-reduced as in DDP. The theory offers a sharded source only for
+    layouts some consumer's rule reads (LayerNorm weights have none: they stay replicated, a few
+    KB; real FSDP flattens them into its shards), and parameter collectives only with
+    ``param_comm=True``."""
+    g = theory.graph
+    gatherable: dict[int, set[int]] = defaultdict(set)  # param -> dims it can be gathered from
+    sourced: dict[int, set[int]] = defaultdict(set)  # param -> dims it can be sourced sharded on
+    for t in theory.triples:
+        for ins in t.instrs:
+            if isinstance(ins, Source) and ins.layout.is_sharded and g[ins.ref].kind == PARAM:
+                sourced[ins.ref].add(ins.layout.dim)
+            elif (
+                isinstance(ins, Collective)
+                and ins.op == "all_gather"
+                and ins.dst.is_replicated
+                and g[ins.ref].kind == PARAM
+            ):
+                gatherable[ins.ref].add(ins.src.dim)
+    out: dict[int, Layout] = {}
+    for ref, dims in gatherable.items():
+        ok = [d for d in sorted(dims & sourced[ref]) if theory.atoms(ref, d) >= m]
+        if not ok:
+            continue
+        out[ref] = shard(0) if 0 in ok else shard(max(ok, key=lambda d: (theory.atoms(ref, d), -d)))
+    return out
+
+
+def _no_fsdp(theory: Theory, m: int) -> HapcError:
+    """Why no parameter can be sharded and gathered: a theory without parameter collectives, or
+    parameters too small for ``m`` devices."""
+    g = theory.graph
+    moved = any(isinstance(ins, Collective) and g[ins.ref].kind == PARAM for t in theory.triples for ins in t.instrs)
+    if not moved:
+        return HapcError(
+            "the fsdp baseline gathers sharded parameters, but this theory has no parameter collectives: "
+            "derive it with hapc.derive(graph, param_comm=True) (hapc.synthesize / hapc.compile / "
+            "hapc synth --baseline fsdp do so themselves)"
+        )
+    return InfeasibleError(
+        f"fsdp over {m} devices is impossible: no parameter has a dimension of at least {m} whole units "
+        "to shard; use fewer devices or another baseline (dp-ev)"
+    )
 
 
 def expert_parameters(g: RefGraph) -> set[int]:
