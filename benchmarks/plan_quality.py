@@ -16,6 +16,13 @@ model of HAP §3.2 (``t(Q, B) = sum_stages comm_i(B) + max_j comp_ij(B_j)``):
   on its t devices (:func:`megatron_3d`);
 * DP-EV / DP-CP: data parallelism, even / compute-proportional ratios;
 * TP: Megatron tensor parallelism with even shards (column- then row-parallel linears);
+* FSDP: ZeRO-3 data parallelism, even ratios (``baseline="fsdp"``, :mod:`hapc.synth.baselines`):
+  every parameter held sharded (weights, gradients, optimizer state: dim 0 where it has a unit per
+  GPU), all-gathered before use and its gradient reduce-scattered; priced on a theory derived with
+  ``param_comm=True`` (hapc's own columns are not: its default search does not shard parameters,
+  so a cell where FSDP beats hapc is reported as a loss). hapc's runtime keeps a gathered weight
+  for the backward instead of gathering it again, and the cost model charges it so (one all-gather
+  forward, one reduce-scatter backward; the gathered weight in memory until the backward);
 * EP: GShard expert parallelism (DP elsewhere), experts padded to a multiple of the device count
   with each expert keeping the real model's capacity (DeepSpeed-MoE's requirement, HAP §7.6).
 
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import multiprocessing as mp
 import statistics
 import time
 from collections.abc import Callable
@@ -55,11 +63,13 @@ from hapc.api import synthesize_theory
 from hapc.cluster import Cluster
 from hapc.errors import HapcError
 from hapc.planner import ideal_seconds
-from hapc.synth.baselines import expert_parameters
+from hapc.synth.baselines import expert_parameters, needs_param_comm
 
 HERE = Path(__file__).resolve().parent
 SIZES = (8, 16, 32, 64)
-METHODS = ("hapc", "spmd", "pipeline", "megatron-3d", "dp-ev", "dp-cp", "tp", "ep")
+METHODS = ("hapc", "spmd", "pipeline", "megatron-3d", "dp-ev", "dp-cp", "tp", "fsdp", "ep")
+#: seconds the FSDP column may take per cell (see :func:`bounded`); beyond it the cell is n/a
+FSDP_SECONDS = 120.0
 NUM_MICRO = 8  # micro-batches of the HARP and Megatron-3D columns (hapc searches the count; 64 or 32 samples per GPU)
 ABLATION = ("DP-EV", "+Q", "+B", "+C")
 Factory = Callable[..., tuple[torch.nn.Module, Any]]
@@ -97,9 +107,13 @@ class Pricer:
         self, *, baseline: str | None = None, ratios: list[float] | None = None, comm_opt: bool = True
     ) -> dict[str, Any]:
         variants = ("padded", "grouped") if comm_opt else ("padded",)
-        key = (comm_opt,)
+        param_comm = needs_param_comm(baseline)  # fsdp: a theory whose parameters may be gathered
+        key = (comm_opt, param_comm)
+        derived = 0.0
         if key not in self.theories:
-            self.theories[key] = hapc.derive(self.graph, sfb=comm_opt, variants=variants)
+            t0 = time.perf_counter()
+            self.theories[key] = hapc.derive(self.graph, sfb=comm_opt, variants=variants, param_comm=param_comm)
+            derived = time.perf_counter() - t0
         t0 = time.perf_counter()
         try:
             plan = synthesize_theory(self.theories[key], self.cluster, baseline=baseline, ratios=ratios)
@@ -113,8 +127,43 @@ class Pricer:
             "ratios": [round(r * c, 4) for r, c in zip(plan.ratios, (t["count"] for t in plan.device_types))],
             "comm": plan.predicted["comm"],
             "gradients": plan.predicted["gradients"],
-            "seconds": time.perf_counter() - t0,
+            "memory": max(plan.predicted["memory"]),
+            "seconds": time.perf_counter() - t0,  # synthesis
+            "derive_seconds": derived,  # the theory, where this call derived it (0: shared with an earlier one)
         }
+
+
+def bounded(fn: Callable[[], dict[str, Any]], seconds: float, what: str) -> dict[str, Any]:
+    """``fn()`` in a forked child, given up after ``seconds`` (an ``{"error": ...}`` cell then).
+
+    For the FSDP column: a theory derived with ``param_comm=True`` keeps parameter-only chains
+    (VGG's ``bias.view(-1, 1, 1)`` after its all-gather) as standalone triples, and the synthesizer
+    places every such chain in the first segment's search, which then enumerates every subset of
+    them (VGG19 on ``hap-testbed:8``: minutes, gigabytes). The search's own ``time_limit`` is only
+    checked between segments, so the bound is a process's."""
+    ctx = mp.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        try:
+            send.send(fn())
+        except Exception as e:  # the cell's error
+            send.send({"error": _short(e)})
+
+    proc = ctx.Process(target=child, daemon=True)
+    proc.start()
+    send.close()  # the child holds the only writer: its death reads as EOF here
+    try:
+        if recv.poll(seconds):
+            return recv.recv()
+        return {"error": f"{what}: synthesis not done in {seconds:.0f} s (parameter chains searched in one segment)"}
+    except EOFError:
+        proc.join(5)
+        return {"error": f"{what}: the pricing process died (exit code {proc.exitcode}; out of memory?)"}
+    finally:
+        proc.kill()
+        proc.join()
+        recv.close()
 
 
 def even_ratios(cluster: Cluster) -> list[float]:
@@ -217,13 +266,14 @@ def compare(factory: Factory, kw: dict[str, Any], cluster: Cluster, m: int) -> d
     row = {"spmd": price()}
     if "time" in row["spmd"]:
         row["spmd"]["kind"] = "spmd"
-    row["pipeline"], best_pipe = pipelines(model, inputs, cluster, ideal, price.theories.get((True,)))
+    row["pipeline"], best_pipe = pipelines(model, inputs, cluster, ideal, price.theories.get((True, False)))
     row["hapc"] = min(
         (c for c in (row["spmd"], best_pipe) if "time" in c), key=lambda c: c["time"], default=row["spmd"]
     )
     row["megatron-3d"] = megatron_3d(model, inputs, cluster, ideal)
     row["dp-ev"], row["dp-cp"] = price(baseline="dp-ev"), price(baseline="dp-cp")
     row["tp"] = price(baseline="tp")
+    row["fsdp"] = bounded(lambda: price(baseline="fsdp"), FSDP_SECONDS, "fsdp")
     row["ep"] = padded_ep(factory, kw, m, cluster) if kw.get("experts") else {"error": "no MoE layer"}
     return row
 
@@ -329,7 +379,9 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "Predicted per-iteration time (ms) under one cost model; 16 V100 then P100, 8 per host, 10.4 Gbps "
         "between hosts. TP is pure Megatron tensor parallelism over all GPUs (n/a where a dimension has fewer "
-        "whole units than GPUs); EP pads experts to a multiple of the GPU count. hapc is the planner's choice "
+        "whole units than GPUs); FSDP is ZeRO-3 data parallelism (every parameter sharded, all-gathered before use, "
+        "gradients reduce-scattered; even ratios), priced on a theory with parameter communication, which hapc's "
+        "own search does not use; EP pads experts to a multiple of the GPU count. hapc is the planner's choice "
         "(its kind in brackets) among spmd (HAP alone), pipeline (HARP alone, 8 micro-batches) and R data-parallel "
         "replicas of a pipeline (pipeline xR, blocked: a replica on whole hosts; strided: on a share of every host), "
         "the pipeline's micro-batch count B chosen by cost among the batch's divisors ([B micro]). megatron-3d: TP of "
@@ -362,7 +414,8 @@ def markdown(result: dict[str, Any]) -> str:
             "tenfold per retry, then bisected once between the last price that failed and the first that fit), "
             "which need not find the fastest program that fits; (2) the alternation of synthesis and the ratio "
             "LP (HAP Eq. 1-2, started from speed-proportional ratios) stops at a fixed point that depends on the "
-            "search space."
+            "search space; (3) FSDP is priced with sharded, gathered parameters (``param_comm=True``), which "
+            "hapc's default search does not consider: where memory binds, FSDP's smaller footprint can beat it."
             + (f" Ablation cases where the larger space predicts a slower plan: {', '.join(worse)}." if worse else ""),
             "",
         ]
@@ -373,7 +426,9 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "### Homogeneous subset: 32 P100 (HAP Fig. 14)",
         "",
-        *_comparison_table(result["homogeneous"], ("hapc", "spmd", "pipeline", "megatron-3d", "dp-ev", "tp", "ep")),
+        *_comparison_table(
+            result["homogeneous"], ("hapc", "spmd", "pipeline", "megatron-3d", "dp-ev", "tp", "fsdp", "ep")
+        ),
         "",
         "### Ablation (HAP Fig. 15): predicted ms, and throughput relative to DP-EV",
         "",

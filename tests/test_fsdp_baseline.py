@@ -78,9 +78,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "alias,mkw,cluster,world,ratios,opt", CASES, ids=[f"{c[0]}-{c[3]}-{c[5]}" for c in CASES]
-)
+@pytest.mark.parametrize("alias,mkw,cluster,world,ratios,opt", CASES, ids=[f"{c[0]}-{c[3]}-{c[5]}" for c in CASES])
 def test_fsdp_trains_like_one_device(alias, mkw, cluster, world, ratios, opt):
     steps = 3
     results = run_distributed(_job, world, alias, mkw, cluster, ratios, steps, opt, timeout=240)
