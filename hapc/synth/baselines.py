@@ -49,6 +49,16 @@ def restrict(theory: Theory, baseline: str, m: int) -> set[int]:
     inner factor), an op without a sharding rule reading batch data -- no program is left, and
     the baseline is priced with activations moved (all-to-all / all-gather) where needed, with a
     warning naming the node: real DDP runs those ops locally, so the price is an upper bound.
+
+    ``fsdp`` keeps data parallelism's layouts, except that each parameter is sourced in one
+    sharded layout (:func:`_fsdp_params`), may only be all-gathered (to replicated), and every
+    computation reads parameters replicated -- never a tensor-parallel strategy on the shard. The
+    gathered weight is held until the backward (as hapc's runtime does: autograd saves it), so the
+    memory model charges each device its shard x 4 (weight, gradient, two Adam moments) plus the
+    whole weight as an activation; the gradient is reduce-scattered (the all-gather's backward),
+    not all-reduced. Real FSDP frees the gathered weight after the forward and gathers it again
+    for the backward (less memory, one more all-gather), and bundles a layer's parameters into one
+    collective where hapc pays one collective's latency per parameter.
     """
     g = theory.graph
     if baseline in ("dp-ev", "dp-cp", "ep", "fsdp"):
