@@ -12,7 +12,7 @@ import numbers
 from ..props import PARTIAL, REPLICATED
 from ..registry import OpView
 from ..strategy import Strategy
-from . import op, rule
+from . import labels, op, rule
 
 # unary, not linear: the result's dims shard like the input's
 op(
@@ -117,6 +117,18 @@ op(
     linear="each",
     doc="every dim shards; linear: Partial -> Partial",
 )
+
+
+@rule("type_as", doc="x's dims shard (the other operand gives only a dtype); linear in x")
+def _type_as(view: OpView):
+    """``x.type_as(y)``: ``x`` cast to ``y``'s dtype; ``y``'s values are never read. Same shapes (the
+    usual ``out.type_as(x)``): both in one layout; otherwise ``y`` whole. Gemma's RMSNorm and
+    RoBERTa's position ids call it: without a rule they ran replicated, and data parallelism
+    could not be priced."""
+    x, y = view.operands[0], view.operands[1]
+    xs = " ".join(labels(x.rank))
+    ys = xs if y.shape == x.shape else " ".join(f"y{k}^" for k in range(y.rank))
+    return view.annotate(f"{xs}, {ys} -> {xs}", linear=[(0,)])
 
 
 def broadcast_spec(view: OpView) -> str:
