@@ -235,17 +235,31 @@ class SynthSpace:
             ready[n.index] = where.get(n.index, max((ready[o] for o in n.operands), default=0))
         users = defaultdict(set)  # tensor -> segments whose triples need it
         homes: dict[int, int] = {}
+        chains = []  # triples making a tensor of no segment's: a parameter chain, static data
         for k in sorted(self.allowed):
             t = th.triples[k]
             last = t.instrs[-1]
             if isinstance(last, Collective):
                 continue
-            seg = where.get(last.ref)
-            if seg is None:
-                seg = max((ready[p.ref] for p in t.pre), default=0)
-            homes[k] = seg
+            if last.ref not in where:
+                chains.append(k)
+                continue
+            homes[k] = where[last.ref]
             for p in t.pre:
-                users[p.ref].add(seg)
+                users[p.ref].add(homes[k])
+        # a chain (Gemma's ``1 + norm.weight``, a rotary table, a causal mask, a bias's ``view``) is
+        # searched where its result is used -- every such segment, as a collective is -- not in the
+        # first segment: there, every chain of the model was one search enumerating their layouts'
+        # combinations (tiny Gemma's first segment: 540 triples, an exact pass ran past 10 minutes;
+        # now 1 s). Consumers first (graph order is topological), so a chain feeding another
+        # inherits its segments; one nothing uses stays where its operands are ready
+        chain_homes: dict[int, set[int]] = {}
+        for k in sorted(chains, key=lambda k: -th.triples[k].instrs[-1].ref):
+            t = th.triples[k]
+            segs = set(users[t.instrs[-1].ref]) or {max((ready[p.ref] for p in t.pre), default=0)}
+            chain_homes[k] = segs
+            for p in t.pre:
+                users[p.ref] |= segs
         for k in sorted(self.allowed):
             last = self.theory.triples[k].instrs[-1]
             if isinstance(last, Collective):
@@ -256,6 +270,9 @@ class SynthSpace:
                     segs.add(where[last.ref])
                 for s in segs:
                     self.segments[s].triples.append(k)
+            elif k in chain_homes:
+                for home in chain_homes[k]:
+                    self.segments[home].triples.append(k)
             else:
                 self.segments[homes[k]].triples.append(k)
         for s in self.segments:
