@@ -389,6 +389,10 @@ RANDOM_OPS: dict[str, tuple[int, bool] | None] = {
     "dropout2d": (2, True),
     "dropout3d": (2, True),
     "rrelu": (3, False),
+    "rand": None,
+    "randn": None,
+    "randint": None,
+    "poisson": None,
     "rand_like": None,
     "randn_like": None,
     "randint_like": None,
@@ -418,8 +422,9 @@ def _refuse_random_ops(graph: Any, world: int) -> None:
             p = n.kwargs.get("p", n.args[1] if len(n.args) > 1 else 0.5) if "dropout" in n.op else 1
             if not training or p == 0:
                 continue  # the identity (rrelu: a fixed slope)
+        mode = " in training mode" if flag is not None else ""
         raise HapcError(
-            f"{n.op} in training mode at {n.name} ({n.source or 'model'}): hapc draws rank-consistent "
+            f"{n.op}{mode} at {n.name} ({n.source or 'model'}): hapc draws rank-consistent "
             "random values only for dropout (F.dropout, nn.Dropout, scaled_dot_product_attention's dropout_p), "
             "so replicas would diverge; use nn.Dropout / F.dropout instead, draw the values outside the model "
             "and pass them in as an input, or compile the model in eval mode"

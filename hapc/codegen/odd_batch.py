@@ -231,6 +231,7 @@ class OddBatches:
         pad = x.new_zeros((top, *x.shape[1:]))
         pad[: x.shape[0]] = x.detach()
         parts = [torch.empty_like(pad) for _ in range(m.world)]
+        m._flush()
         dist.all_gather(parts, pad.contiguous(), group=m.group)
         return torch.cat([p[:s] for p, s in zip(parts, sizes)], 0)
 

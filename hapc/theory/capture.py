@@ -170,11 +170,15 @@ def export_capture(model: nn.Module, example_inputs: Any) -> Captured:
     wrapper = _Flatten(model, positional, spec)
     from torch.fx.traceback import annotate, preserve_node_meta
 
-    from .trace import checkpoint_regions
+    from .draws import CaptureDraws
+    from .trace import _where, checkpoint_regions
 
+    regions = checkpoint_regions(lambda k: annotate({"hapc_region": k}))
     try:
-        with preserve_node_meta(), checkpoint_regions(lambda k: annotate({"hapc_region": k})):
+        with preserve_node_meta(), regions, CaptureDraws(None, _where):
             ep = torch.export.export(wrapper, (), kwargs, strict=False)
+    except TraceError as exc:
+        raise TraceError(f"cannot trace {type(model).__name__}: {exc}") from exc
     except Exception as exc:
         from .trace import _untraceable_message
 

@@ -34,6 +34,7 @@ import torch.nn as nn
 from .._util import without_gc
 from ..errors import TraceError
 from .cse import merge_common
+from .draws import CaptureDraws
 from .flops import contraction_flops
 from .graph import BUFFER, INPUT, OP, PARAM, Ref, RefGraph, RefNode, TensorMeta, iter_refs
 from .normalize import NORMALISERS, normalise_modules
@@ -435,8 +436,10 @@ def _trace_fx(model: nn.Module, example_inputs: Any, leaf_modules: Sequence[type
 
     with _meta_kernels_without_dynamo():
         try:
-            with checkpoint_regions(enter):
+            with checkpoint_regions(enter), CaptureDraws(tracer, _where):
                 graph = tracer.trace(model, concrete_args=_none_inputs(model, example_inputs))
+        except TraceError as exc:
+            raise TraceError(f"cannot trace {type(model).__name__}: {exc}") from exc
         except Exception as exc:
             raise TraceError(_untraceable_message(model, exc)) from exc
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
@@ -497,6 +500,16 @@ def _untraceable_message(model: nn.Module, exc: Exception) -> str:
         "into a function decorated with @hapc.custom_op and give it a rule"
     )
     return f"cannot trace {type(model).__name__}: {reason}\n  at {where}\n  {hint}"
+
+
+def _where() -> str:
+    """The model's line being run, as errors name it ("file.py:12: code")."""
+    frame = _model_frame()
+    if not frame:
+        return "forward"
+    head, code = frame.strip().splitlines()
+    path, line = head.split('"')[1], head.split("line ")[1].split(",")[0]
+    return f"{os.path.basename(path)}:{line}: {code.strip()}"
 
 
 def _model_frame() -> str | None:
