@@ -389,6 +389,8 @@ RANDOM_OPS: dict[str, tuple[int, bool] | None] = {
     "dropout2d": (2, True),
     "dropout3d": (2, True),
     "rrelu": (3, False),
+    # torchvision's (an fx leaf: torch.fx.wrap): drops whole samples; EfficientNet, ConvNeXt, Swin
+    "torchvision.ops.stochastic_depth.stochastic_depth": (3, True),
     "rand": None,
     "randn": None,
     "randint": None,
@@ -419,7 +421,8 @@ def _refuse_random_ops(graph: Any, world: int) -> None:
         if flag is not None:
             pos, default = flag
             training = n.kwargs.get("training", n.args[pos] if len(n.args) > pos else default)
-            p = n.kwargs.get("p", n.args[1] if len(n.args) > 1 else 0.5) if "dropout" in n.op else 1
+            has_p = "dropout" in n.op or n.op.endswith("stochastic_depth")
+            p = n.kwargs.get("p", n.args[1] if len(n.args) > 1 else 0.5) if has_p else 1
             if not training or p == 0:
                 continue  # the identity (rrelu: a fixed slope)
         mode = " in training mode" if flag is not None else ""

@@ -138,6 +138,35 @@ def t5(batch: int = 4, seq: int = 16, size: str = "tiny") -> tuple[nn.Module, di
     return t.T5ForConditionalGeneration(cfg), dict(input_ids=ids, labels=_tokens(batch, seq // 2, cfg.vocab_size, 1))
 
 
+def gemma(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
+    """Gemma: RMSNorm scaled by ``1 + weight`` in float32 (``.type_as`` back), GQA, tied head."""
+    t = _hf()
+    cfg = t.GemmaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, intermediate_size=64, vocab_size=100)  # fmt: skip
+    ids = _tokens(batch, seq, cfg.vocab_size)
+    return t.GemmaForCausalLM(cfg), dict(input_ids=ids, labels=ids)
+
+
+def opt(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
+    """OPT: LayerDrop's ``torch.rand([]) < layerdrop`` in training mode (hapc.theory.draws)."""
+    t = _hf()
+    cfg = t.OPTConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, ffn_dim=64, vocab_size=100,
+                      word_embed_proj_dim=32, max_position_embeddings=64, dropout=0.0)  # fmt: skip
+    ids = _tokens(batch, seq, cfg.vocab_size)
+    return t.OPTForCausalLM(cfg), dict(input_ids=ids, labels=ids)
+
+
+def bart(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
+    """BART: encoder-decoder with LayerDrop in both stacks, labels shifted into decoder inputs."""
+    t = _hf()
+    cfg = t.BartConfig(encoder_layers=1, decoder_layers=1, d_model=32, encoder_attention_heads=4,
+                       decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100,
+                       max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                       activation_dropout=0.0)  # fmt: skip
+    ids = _tokens(batch, seq, cfg.vocab_size)
+    return t.BartForConditionalGeneration(cfg), dict(input_ids=ids, labels=_tokens(batch, seq // 2, cfg.vocab_size, 1))
+
+
 def vit_hf(batch: int = 4, size: str = "tiny") -> tuple[nn.Module, dict]:
     t = _hf()
     kw = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, image_size=32,
@@ -188,6 +217,9 @@ MODELS: dict[str, tuple[Callable[..., tuple[nn.Module, Any]], str]] = {
     "llama": (llama, "transformers"),
     "mixtral": (mixtral, "transformers"),
     "t5": (t5, "transformers"),
+    "gemma": (gemma, "transformers"),
+    "opt": (opt, "transformers"),
+    "bart": (bart, "transformers"),
     "vit-hf": (vit_hf, "transformers"),
     "tv-resnet": (tv_resnet, "torchvision"),
     "tv-vit": (tv_vit, "torchvision"),

@@ -145,3 +145,60 @@ def test_layer_drop_at_zero_trains_as_one_device():
     for losses, state in run_distributed(_layer_drop_job, 2):
         assert losses == pytest.approx(want, rel=1e-12)
         assert_close(state, model.state_dict(), F64, "weights after 2 steps")
+
+
+class Stochastic(nn.Module):
+    """A residual branch dropped per sample: torchvision's ``StochasticDepth`` (an fx leaf
+    function, ``torch.fx.wrap``) or timm's ``drop_path`` (``x.new_empty(..).bernoulli_(keep)``)."""
+
+    def __init__(self, kind: str, p: float) -> None:
+        super().__init__()
+        import realworld
+
+        self.fc = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+        self.kind, self.p = kind, p
+        if kind == "torchvision":
+            self.depth = realworld.import_torchvision().ops.StochasticDepth(p, "row")
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        branch = torch.tanh(self.fc(x))
+        if self.kind == "torchvision":
+            branch = self.depth(branch)
+        elif self.training and self.p > 0:
+            keep = 1 - self.p
+            branch = branch * x.new_empty((x.shape[0], 1)).bernoulli_(keep).div_(keep)
+        return F.cross_entropy(self.head(x + branch), y)
+
+
+def _stochastic_job(rank, world, kind, p):
+    torch.manual_seed(0)
+    model, batch = Stochastic(kind, p).double(), _batch()
+    if p > 0:
+        op = "stochastic_depth.stochastic_depth in training mode" if kind == "torchvision" else "bernoulli"
+        with pytest.raises(HapcError, match=rf"{op} at .*only for dropout"):
+            hapc.compile(model, "local-cpu:2", batch)
+        model.eval()  # the identity in eval mode
+    module = hapc.compile(model, "local-cpu:2", batch)
+    loss = module(*batch)
+    loss.backward()
+    return float(loss.detach()), module.full_gradients()
+
+
+@pytest.mark.parametrize("kind", ["torchvision", "timm"])
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_stochastic_depth_is_refused_unless_it_is_the_identity(kind, p):
+    import realworld
+
+    if kind == "torchvision" and not realworld.has("torchvision"):
+        pytest.skip("torchvision does not load")
+    torch.manual_seed(0)
+    model, batch = Stochastic(kind, p).double(), _batch()
+    if p > 0:
+        model.eval()
+    loss = model(*batch)
+    loss.backward()
+    want = {k: v.grad for k, v in model.named_parameters()}
+    for value, grads in run_distributed(_stochastic_job, 2, kind, p):
+        assert value == pytest.approx(float(loss), rel=1e-12)
+        assert_close(grads, want, F64, "grads")

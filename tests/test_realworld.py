@@ -99,7 +99,7 @@ def _check(name: str, world: int, cluster: str, **opts: Any) -> None:
     results = run_distributed(_job, world, name, cluster, opts, timeout=240 if world == 2 else 480)
     # HF losses upcast logits with .float(): the loss itself is float32 in both runs
     # (so gradients through it carry float32 rounding of another summation order: 1e-6)
-    f32 = name in ("gpt2", "gpt2-eager", "llama", "mixtral")
+    f32 = name in ("gpt2", "gpt2-eager", "llama", "mixtral", "gemma", "opt")
     loss_tol, tol = (1e-6, 1e-6) if f32 else (1e-12, RTOL)
     for r in results:
         assert r["loss"] == pytest.approx(ref["loss"], rel=loss_tol)
@@ -113,8 +113,12 @@ def _check(name: str, world: int, cluster: str, **opts: Any) -> None:
 #: linears) and the processes each runs it on (tiny Llama and Mixtral have 2 heads: 2 at most)
 TP_MODELS = {
     "gpt2": 2, "gpt2-eager": 3, "bert-cls": 2, "bert-mlm": 3, "llama": 2,
-    "mixtral": 2, "t5": 2, "vit-hf": 3, "tv-vit": 2, "timm-vit": 3,
+    "mixtral": 2, "t5": 2, "vit-hf": 3, "tv-vit": 2, "timm-vit": 3, "gemma": 2, "opt": 2, "bart": 2,
 }  # fmt: skip
+
+#: models whose every case is in `make test-slow` (the default suite's time is spent; their
+#: mechanisms -- LayerDrop, Gemma's parameter chains -- have fast tests of their own)
+SLOW_ONLY = {"gemma", "opt", "bart"}
 
 # (model, processes, cluster, options): every model on 2 and 3 processes under the default plan
 # (local-cpu:3 is two fast devices and one half as fast: the LP's ratios are uneven) and on 3 under
@@ -132,7 +136,8 @@ CASES = [
     [
         # the default plan on 2 processes runs in `make test`; the rest (the slowest) in `make test-slow`
         pytest.param(
-            *c, id=f"{c[0]}-{c[1]}-{next(iter(c[3]), 'default')}", marks=[pytest.mark.slow] * (c[1] > 2 or bool(c[3]))
+            *c, id=f"{c[0]}-{c[1]}-{next(iter(c[3]), 'default')}",
+            marks=[pytest.mark.slow] * (c[1] > 2 or bool(c[3]) or c[0] in SLOW_ONLY),
         )
         for c in CASES
     ],

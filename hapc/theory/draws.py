@@ -69,10 +69,10 @@ class ScalarDraw:
         answer = _ALWAYS[op](float(p))
         if answer is None:
             raise TraceError(
-                f"random control flow at {self.where()}: a draw torch.rand([]) (from {self.drawn}) {op} {p} decides a branch differently "
-                "from step to step (LayerDrop with probability between 0 and 1 skips random layers), which no static "
-                "program can hold: set the probability to 0 for training under hapc (Hugging Face: "
-                "config.layerdrop = 0, its default), or compile the model in eval mode"
+                f"random control flow at {self.where()}: a draw torch.rand([]) (from {self.drawn}) {op} {p} "
+                "decides a branch differently from step to step (LayerDrop with probability between 0 and 1 "
+                "skips random layers), which no static program can hold: set the probability to 0 for training "
+                "under hapc (Hugging Face: config.layerdrop = 0, its default), or compile the model in eval mode"
             )
         return answer
 
@@ -90,9 +90,9 @@ class ScalarDraw:
 
     def _used(self, how: str) -> TraceError:
         return TraceError(
-            f"a random scalar torch.rand([]) drawn in forward at {self.drawn} is {how} at {self.where()}: hapc captures a 0-dim draw "
-            "only as a branch condition that holds for every draw (LayerDrop at probability 0). Draw a tensor "
-            "instead (torch.rand(n)), or pass the value in as an input"
+            f"a random scalar torch.rand([]) drawn in forward at {self.drawn} is {how} at {self.where()}: "
+            "hapc captures a 0-dim draw only as a branch condition that holds for every draw (LayerDrop at "
+            "probability 0). Draw a tensor instead (torch.rand(n)), or pass the value in as an input"
         )
 
     def __getattr__(self, name: str) -> Any:
