@@ -899,6 +899,10 @@ class _Builder:
             i = self.arg(n.args[1])
             return self.element(n.args[0], i if i >= 0 else i + len(self.values[n.args[0]]))
         args, kwargs = self.arg(n.args), self.arg(n.kwargs)
+        if is_method and target == "add_" and _counter_of_batch_norm(n.args[0], self.model):
+            # a batch norm written out (timm's BatchNormAct2d): num_batches_tracked += 1, which the
+            # runtime counts itself for every _BatchNorm (as for torch's own, and under torch.export)
+            return self.env[n.args[0]]
         if is_method and target.endswith("_") and not target.endswith("__"):
             target = self._out_of_place(n)
         if kwargs.get("inplace"):
@@ -1162,6 +1166,17 @@ def _aliases(node: fx.Node) -> list[fx.Node]:
                 found.append(u)
                 frontier.append(u)
     return found
+
+
+def _counter_of_batch_norm(node: Any, model: nn.Module) -> bool:
+    """Whether ``node`` reads a batch norm module's ``num_batches_tracked`` buffer."""
+    if not isinstance(node, fx.Node) or node.op != "get_attr" or not node.target.endswith("num_batches_tracked"):
+        return False
+    owner = node.target.rpartition(".")[0]
+    try:
+        return isinstance(model.get_submodule(owner), nn.modules.batchnorm._BatchNorm)
+    except AttributeError:
+        return False
 
 
 def _mutated_root(node: fx.Node) -> str | None:
