@@ -35,11 +35,15 @@ def without_gc(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def broadcast_json(make: Callable[[], Any], *, group: Any = None, device: Any = "cpu", src: int | None = None) -> Any:
+def broadcast_json(
+    make: Callable[[], Any], *, group: Any = None, device: Any = "cpu", src: int | None = None, waiting: str = ""
+) -> Any:
     """``make()`` on the group's first rank (or global rank ``src``), its JSON-able result on every rank.
 
     Plans travel between ranks as UTF-8 JSON bytes in a uint8 tensor (two broadcasts: size, then
-    bytes) -- data only, never pickle."""
+    bytes) -- data only, never pickle. ``waiting``: what a rank that gave up waiting for the result
+    (the group's timeout) is told, as a :class:`~hapc.errors.HapcError`, instead of the backend's
+    bare timeout."""
     import json
 
     import torch
@@ -52,7 +56,14 @@ def broadcast_json(make: Callable[[], Any], *, group: Any = None, device: Any = 
         size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     else:
         size = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.broadcast(size, src=root, group=group)
+    try:
+        dist.broadcast(size, src=root, group=group)
+    except RuntimeError as exc:
+        if first or not waiting:
+            raise
+        from .errors import HapcError
+
+        raise HapcError(f"{waiting} ({type(exc).__name__}: {str(exc).splitlines()[0]})") from exc
     if not first:
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.broadcast(data, src=root, group=group)

@@ -470,7 +470,14 @@ def _agree_on_choice(
             return {"error": str(exc), "type": type(exc).__name__}
         return {"kind": ch.kind, "plan": ch.plan.to_json(), "kinds": [k.to_json() for k in ch.kinds]}
 
-    data = broadcast_json(make, group=group, device=dev)
+    waiting = (
+        "rank 0 did not send the plan within the process group's timeout: it is still planning (an exact search "
+        "on a large or unusual model can take minutes) or it died. Bound the search (hapc.compile(..., "
+        "time_limit=60): the best plan found by then), give the wait longer (hapc.compile(..., timeout=...)), or "
+        "plan once ahead on one process (hapc.synthesize(model, cluster, inputs).save('plan.json'), then "
+        "hapc.compile(..., plan='plan.json'))"
+    )
+    data = broadcast_json(make, group=group, device=dev, waiting=waiting)
     if "error" in data:
         cls = getattr(errors, data["type"], HapcError)
         raise (cls if isinstance(cls, type) and issubclass(cls, HapcError) else HapcError)(data["error"])

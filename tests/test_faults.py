@@ -137,6 +137,31 @@ def _compile_with_timeout(rank, world):
     hapc.compile(model, cluster_of([1e9, 1e9]), inputs, timeout=0)
 
 
+def _slow_planner(rank, world):
+    import hapc.api
+
+    if rank == 0:  # planning outlasts the plan broadcast's timeout (a search of minutes)
+        real = hapc.api.choose_plan
+
+        def slow(*args, **kwargs):
+            time.sleep(6)
+            return real(*args, **kwargs)
+
+        hapc.api.choose_plan = slow
+    model, inputs = models.load("mlp")
+    hapc.compile(model, cluster_of([1e9, 1e9]), inputs, timeout=2)
+
+
+def test_a_rank_waiting_past_the_timeout_for_the_plan_is_told_why_and_the_fixes():
+    with pytest.raises(DistributedRunError) as err:
+        run_distributed(_slow_planner, 2, timeout=30)
+    assert 1 in err.value.errors and not err.value.hung
+    message = err.value.errors[1]
+    assert "HapcError: rank 0 did not send the plan within the process group's timeout" in message
+    for fix in ("time_limit=", "timeout=", "plan='plan.json'"):
+        assert fix in message
+
+
 # -- checkpoints --------------------------------------------------------------------------------------
 
 
