@@ -165,6 +165,31 @@ class _SegMasks:
     must: tuple[int, ...] = ()  # per tensor no later segment produces: its needed layouts (one must hold)
 
 
+#: chains (tensors made in no segment of their own) of at most this many connected nodes are
+#: searched where they are read (:meth:`SynthSpace._assign`)
+SMALL_CHAIN = 2
+
+
+def _components(graph: Any, refs: set[int]) -> dict[int, int]:
+    """Each of ``refs`` mapped to a representative of its connected component (edges: operands
+    among ``refs``)."""
+    parent = {r: r for r in refs}
+
+    def find(r: int) -> int:
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    for r in refs:
+        for o in graph[r].operands:
+            if o in parent:
+                a, b = find(r), find(o)
+                if a != b:
+                    parent[a] = b
+    return {r: find(r) for r in refs}
+
+
 class SynthSpace:
     """Everything about a theory that does not depend on ratios: segments and allowed triples."""
 
@@ -247,16 +272,26 @@ class SynthSpace:
             homes[k] = where[last.ref]
             for p in t.pre:
                 users[p.ref].add(homes[k])
-        # a chain (Gemma's ``1 + norm.weight``, a rotary table, a causal mask, a bias's ``view``) is
-        # searched where its result is used -- every such segment, as a collective is -- not in the
-        # first segment: there, every chain of the model was one search enumerating their layouts'
-        # combinations (tiny Gemma's first segment: 540 triples, an exact pass ran past 10 minutes;
-        # now 1 s). Consumers first (graph order is topological), so a chain feeding another
-        # inherits its segments; one nothing uses stays where its operands are ready
+        # a small chain (Gemma's ``1.0 + norm.weight.float()``: at most SMALL_CHAIN connected
+        # nodes) is searched in every segment that reads it, as a collective is. In the first
+        # segment, where it can first be made, one search enumerated every such chain's layouts
+        # together (tiny Gemma: 540 triples there, an exact pass past 10 minutes; now 1 s). A
+        # larger one stays there: T5's position bias (embedding, permute, unsqueeze, where: 4
+        # nodes) searched beside its reader's attention made that search run past 4 minutes (8.7 s
+        # where it was). A measured trade-off on these models, not a rule: Swin's and DenseNet's
+        # searches explode either way (issue note). Consumers first (graph order is topological):
+        # a chain feeding another inherits its segments.
+        chain_refs = {th.triples[k].instrs[-1].ref for k in chains}
+        component = _components(th.graph, chain_refs)
+        size = defaultdict(int)
+        for r in chain_refs:
+            size[component[r]] += 1
         chain_homes: dict[int, set[int]] = {}
         for k in sorted(chains, key=lambda k: -th.triples[k].instrs[-1].ref):
             t = th.triples[k]
-            segs = set(users[t.instrs[-1].ref]) or {max((ready[p.ref] for p in t.pre), default=0)}
+            ref = t.instrs[-1].ref
+            readers = users[ref] if size[component[ref]] <= SMALL_CHAIN else set()
+            segs = set(readers) or {max((ready[p.ref] for p in t.pre), default=0)}
             chain_homes[k] = segs
             for p in t.pre:
                 users[p.ref] |= segs
