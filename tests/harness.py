@@ -42,6 +42,19 @@ def train(module: Any, inputs: Any, first: float, steps: int, opt: str) -> tuple
     return losses, optimizer
 
 
+def sgd_steps(module: Any, inputs: Any, steps: int = 2, lr: float = 0.1) -> list[float]:
+    """``steps`` plain-SGD steps on one batch (a fresh optimizer), the loss of each."""
+    optimizer = torch.optim.SGD(module.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = module(*inputs)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
 def _distributed_job(rank: int, world: int, alias: str, mkw: dict, cluster: Any, plan: Any, steps: int, opt: str):
     model, inputs = models.load(alias, **mkw)
     m = hapc.compile(model, cluster, inputs, plan=plan)

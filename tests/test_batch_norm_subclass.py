@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import assert_close
+from harness import assert_close, sgd_steps
 from torch import nn
 
 import hapc
@@ -46,22 +46,10 @@ def _build():
     return Net().double(), (torch.randn(6, 3, 5, 5, generator=g, dtype=F64), torch.arange(6) % 5)
 
 
-def _steps(model, batch, steps: int = 2) -> list[float]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    out = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = model(*batch)
-        loss.backward()
-        opt.step()
-        out.append(float(loss.detach()))
-    return out
-
-
 def _job(rank, world):
     model, batch = _build()
     module = hapc.compile(model, "local-cpu:2", batch, capture="fx")
-    return _steps(module, batch), module.full_state_dict()
+    return sgd_steps(module, batch), module.full_state_dict()
 
 
 def test_fx_traces_it_and_the_counter_is_not_an_op():
@@ -73,7 +61,7 @@ def test_fx_traces_it_and_the_counter_is_not_an_op():
 
 def test_it_trains_as_one_device_counter_and_running_stats_included():
     model, batch = _build()
-    want = _steps(model, batch)
+    want = sgd_steps(model, batch)
     for losses, state in run_distributed(_job, 2):
         assert losses == [pytest.approx(v, rel=1e-12) for v in want]
         assert int(state["bn.num_batches_tracked"]) == 2

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import assert_close
+from harness import assert_close, sgd_steps
 from torch import nn
 
 import hapc
@@ -120,28 +120,13 @@ def _layer_drop_job(rank, world):
     torch.manual_seed(0)
     model, batch = LayerDrop(0.0).double(), _batch(7)
     module = hapc.compile(model, "local-cpu:2", batch, ratios=(0.6, 0.4))
-    opt = torch.optim.SGD(module.parameters(), lr=0.1)
-    losses = []
-    for _ in range(2):
-        opt.zero_grad()
-        loss = module(*batch)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss))
-    return losses, module.full_state_dict()
+    return sgd_steps(module, batch), module.full_state_dict()
 
 
 def test_layer_drop_at_zero_trains_as_one_device():
     torch.manual_seed(0)
     model, batch = LayerDrop(0.0).double(), _batch(7)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    want = []
-    for _ in range(2):
-        opt.zero_grad()
-        loss = model(*batch)
-        loss.backward()
-        opt.step()
-        want.append(float(loss.detach()))
+    want = sgd_steps(model, batch)
     for losses, state in run_distributed(_layer_drop_job, 2):
         assert losses == pytest.approx(want, rel=1e-12)
         assert_close(state, model.state_dict(), F64, "weights after 2 steps")
