@@ -288,7 +288,8 @@ def _verify_user_rules(theory: Any, graph: Any, example_inputs: Any) -> None:
 
 def _mode_key(graph: Any) -> list[tuple]:
     """What a program computes, up to dropout and batch norm (whose modes the runtime handles):
-    dropout is transparent (its users read its input), SDPA's ``dropout_p`` is left out."""
+    dropout and stochastic depth are transparent (their users read their input), SDPA's
+    ``dropout_p`` is left out."""
     from .theory.graph import OP, map_refs
 
     ident: dict[int, Any] = {}
@@ -298,7 +299,7 @@ def _mode_key(graph: Any) -> list[tuple]:
             const = str(n.target or "").startswith("_tensor_constant")
             ident[n.index] = ("constant", n.meta) if const else (n.target or n.name)
             continue
-        if "dropout" in n.op and n.operands:
+        if _follows_mode(n):
             ident[n.index] = ident[n.operands[0]]
             continue
         ident[n.index] = len(key)
@@ -310,6 +311,13 @@ def _mode_key(graph: Any) -> list[tuple]:
             args, kwargs = args[:3], {k: v for k, v in kwargs.items() if k != "dropout_p"}
         key.append((n.op, n.meta, repr(map_refs((args, kwargs), lambda r: ("ref", ident[r.index])))))
     return key
+
+
+def _follows_mode(n: Any) -> bool:
+    """A random op whose draw the runtime turns off in eval mode (``RandomStream.drops``)."""
+    from .theory.rules.random import SAMPLE_DROPS
+
+    return ("dropout" in n.op or n.op in SAMPLE_DROPS) and bool(n.operands)
 
 
 def _mode_branch(model: torch.nn.Module, example_inputs: Any, graph: Any, **trace_opts: Any) -> str | None:
@@ -330,7 +338,7 @@ def _mode_branch(model: torch.nn.Module, example_inputs: Any, graph: Any, **trac
     if a == b:
         return None
     first = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    nodes = [n for n in graph if n.kind == "op" and not ("dropout" in n.op and n.operands)]
+    nodes = [n for n in graph if n.kind == "op" and not _follows_mode(n)]
     where = nodes[first] if first < len(nodes) else graph.loss
     return f"{where.name} ({where.source or 'model'})"
 
@@ -380,8 +388,9 @@ def _compile_pipeline(
     return piped
 
 
-#: random ops without a rank-consistent draw (dropout and SDPA's dropout_p have one: hapc.ops.dropout),
-#: with the position and default of their ``training`` flag where they have one (None: random always)
+#: random ops without a rank-consistent draw (dropout, SDPA's dropout_p and stochastic depth have one:
+#: hapc.theory.rules.random), with the position and default of their ``training`` flag where they
+#: have one (None: random always)
 RANDOM_OPS: dict[str, tuple[int, bool] | None] = {
     "alpha_dropout": (2, False),
     "feature_alpha_dropout": (2, False),
@@ -389,8 +398,6 @@ RANDOM_OPS: dict[str, tuple[int, bool] | None] = {
     "dropout2d": (2, True),
     "dropout3d": (2, True),
     "rrelu": (3, False),
-    # torchvision's (an fx leaf: torch.fx.wrap): drops whole samples; EfficientNet, ConvNeXt, Swin
-    "torchvision.ops.stochastic_depth.stochastic_depth": (3, True),
     "rand": None,
     "randn": None,
     "randint": None,
@@ -408,10 +415,11 @@ RANDOM_OPS: dict[str, tuple[int, bool] | None] = {
 
 
 def _refuse_random_ops(graph: Any, world: int) -> None:
-    """Random ops other than dropout would draw different values on different ranks, so a
-    replicated tensor would stop being replicated: refuse rather than train a silently different
-    model. (Dropout and SDPA's ``dropout_p`` draw from (seed, step, op, global index) on every
-    rank: :mod:`hapc.theory.rules.random`.)"""
+    """Random ops other than dropout and stochastic depth would draw different values on different
+    ranks, so a replicated tensor would stop being replicated: refuse rather than train a silently
+    different model. (Dropout, SDPA's ``dropout_p``, torchvision's ``stochastic_depth`` and timm's
+    ``drop_path`` draw from (seed, step, op, global index) on every rank:
+    :mod:`hapc.theory.rules.random`.)"""
     if world == 1:
         return
     for n in graph:
@@ -421,15 +429,16 @@ def _refuse_random_ops(graph: Any, world: int) -> None:
         if flag is not None:
             pos, default = flag
             training = n.kwargs.get("training", n.args[pos] if len(n.args) > pos else default)
-            has_p = "dropout" in n.op or n.op.endswith("stochastic_depth")
-            p = n.kwargs.get("p", n.args[1] if len(n.args) > 1 else 0.5) if has_p else 1
+            p = n.kwargs.get("p", n.args[1] if len(n.args) > 1 else 0.5) if "dropout" in n.op else 1
             if not training or p == 0:
                 continue  # the identity (rrelu: a fixed slope)
         mode = " in training mode" if flag is not None else ""
         raise HapcError(
             f"{n.op}{mode} at {n.name} ({n.source or 'model'}): hapc draws rank-consistent "
-            "random values only for dropout (F.dropout, nn.Dropout, scaled_dot_product_attention's dropout_p), "
-            "so replicas would diverge; use nn.Dropout / F.dropout instead, draw the values outside the model "
+            "random values only for dropout (F.dropout, nn.Dropout, scaled_dot_product_attention's dropout_p) "
+            "and stochastic depth (torchvision.ops.StochasticDepth, timm's DropPath), so replicas would diverge; "
+            "use nn.Dropout / F.dropout (or a StochasticDepth module for a per-sample drop) instead, draw the "
+            "values outside the model "
             "and pass them in as an input, or compile the model in eval mode"
         )
 

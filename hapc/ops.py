@@ -252,6 +252,77 @@ def dropout(
     return input * _mask_scale(stream, op, p, tuple(input.shape), starts, full, input.device, input.dtype)
 
 
+def stochastic_depth(
+    input: torch.Tensor,
+    p: float,
+    mode: str,
+    training: bool = True,
+    *,
+    stream: RandomStream | None = None,
+    op: str = "stochastic_depth",
+    starts: Sequence[int] | None = None,
+    full_shape: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """``torchvision.ops.stochastic_depth`` with a counter-based draw: mode ``"row"`` keeps sample
+    ``i`` of the whole batch (dim 0 of ``full_shape``; this tensor is the slice starting at
+    ``starts``) as a function of the stream's seed and step, ``op`` and ``i`` alone, and scales it
+    by ``1 / (1 - p)``; mode ``"batch"`` keeps or drops the whole tensor with one draw. So every
+    rank holding a slice along any dim draws the same decision for the same sample. ``p == 0``,
+    ``training=False`` or a stream in eval mode give ``input``; ``p == 1`` gives zeros."""
+    if p < 0.0 or p > 1.0:
+        raise ValueError(f"drop probability has to be between 0 and 1, but got {p}")
+    if mode not in ("batch", "row"):
+        raise ValueError(f"mode has to be either 'batch' or 'row', but got {mode}")
+    return _drop_samples(input, p, mode == "row", True, training, stream, op, starts, full_shape)
+
+
+def drop_path(
+    x: torch.Tensor,
+    drop_prob: float = 0.0,
+    training: bool = False,
+    scale_by_keep: bool = True,
+    *,
+    stream: RandomStream | None = None,
+    op: str = "drop_path",
+    starts: Sequence[int] | None = None,
+    full_shape: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """timm's ``drop_path`` (``timm.layers.drop``) with :func:`stochastic_depth`'s per-sample
+    counter-based draw (mode ``"row"``); kept samples are scaled by ``1 / (1 - drop_prob)`` only
+    when ``scale_by_keep``, as timm does."""
+    return _drop_samples(x, drop_prob, True, scale_by_keep, training, stream, op, starts, full_shape)
+
+
+def _drop_samples(
+    input: torch.Tensor,
+    p: float,
+    per_row: bool,
+    scale: bool,
+    training: bool,
+    stream: RandomStream | None,
+    op: str,
+    starts: Sequence[int] | None,
+    full_shape: Sequence[int] | None,
+) -> torch.Tensor:
+    """``input`` times a keep mask drawn per sample along dim 0 (``per_row``) or once: the draw of
+    sample ``i`` is element ``i`` of :func:`keep_mask` over the batch, global index ``i``."""
+    stream = stream if stream is not None else RandomStream()
+    if p == 0 or not training or not stream.drops:
+        return input
+    if p >= 1:
+        return input * 0.0
+    if per_row and input.dim() > 0:
+        full = tuple(input.shape) if full_shape is None else tuple(full_shape)
+        start = 0 if starts is None else int(starts[0])
+        shape, first, whole = (input.shape[0],), (start,), (full[0],)
+    else:
+        shape, first, whole = (1,), (0,), (1,)
+    noise = _mask_scale(stream, op, p, shape, first, whole, input.device, input.dtype)
+    if not scale:
+        noise = (noise != 0).to(input.dtype)
+    return input * noise.view(*shape, *([1] * (input.dim() - 1))) if input.dim() else input * noise[0]
+
+
 def _eager_under_compile(fn: Callable) -> Callable:
     """``torch.compiler.disable(fn)``, applied on the first call made while ``torch._dynamo`` is
     loaded: decorating at import would import dynamo (and inductor), about 1 s of every cold start.

@@ -52,6 +52,7 @@ from ..plan import Plan
 from ..theory.graph import INPUT, PARAM
 from ..theory.instructions import Source
 from ..theory.props import Layout
+from ..theory.rules.random import sample_drop_p
 from ..theory.triples import Theory
 from .grad_norm import install as install_grad_norms
 from .odd_batch import OddBatches, is_odd
@@ -126,7 +127,7 @@ class CompiledModule(nn.Module):
         self._mode_sensitive = [q for q, mod in model.named_modules() if isinstance(mod, _MODE_SENSITIVE)]
         # compiled in eval mode, dropout was traced as the identity: no program for training here
         self._eval_only = [q for q, mod in model.named_modules() if isinstance(mod, _DROPOUT) and mod.p > 0]
-        self._eval_only += [n.name for n in theory.graph if n.op in _RANDOM_NODES]
+        self._eval_only += [n.name for n in theory.graph if n.op in _RANDOM_NODES or sample_drop_p(n) > 0]
         self._counters = [
             f"{q}.num_batches_tracked" if q else "num_batches_tracked"
             for q, mod in model.named_modules()
@@ -437,9 +438,9 @@ class CompiledModule(nn.Module):
             )
         if mode and not self._traced_mode and self._eval_only:
             raise HapcError(
-                f"this program was compiled from the model in eval mode, where {self._eval_only[0]!r} (dropout) "
-                "does nothing, so it has no training-mode dropout; compile the model in training mode "
-                "(model.train() before hapc.compile): that program serves eval mode too"
+                f"this program was compiled from the model in eval mode, where {self._eval_only[0]!r} (dropout or "
+                "stochastic depth) does nothing, so it has no training-mode draw; compile the model in training "
+                "mode (model.train() before hapc.compile): that program serves eval mode too"
             )
         branch = self.__dict__.get("_mode_branch")
         if mode != self._traced_mode and branch:

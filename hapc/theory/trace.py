@@ -112,9 +112,17 @@ class _Proxy(fx.Proxy):
         return super().__iter__()
 
 
+def _library_leaves() -> tuple[Any, ...]:
+    """Library functions kept whole because a rule draws them rank-consistently
+    (:mod:`hapc.theory.rules.random`): timm's ``drop_path`` (traced inline it would be a
+    ``bernoulli_``, refused on several ranks), only when the model's code already loaded timm."""
+    fn = getattr(sys.modules.get("timm.layers.drop"), "drop_path", None)
+    return (fn,) if callable(fn) else ()
+
+
 class _Tracer(fx.Tracer):
     def __init__(self, leaves: tuple[type, ...], registry: Registry, example_inputs: Any):
-        autowrap = tuple(registry.custom_functions.values())
+        autowrap = (*registry.custom_functions.values(), *_library_leaves())
         super().__init__(autowrap_functions=autowrap)
         self.leaves = leaves
         # fx's record_stack_traces symbolizes the whole stack of every node (and imports torch._inductor

@@ -1,4 +1,5 @@
-"""Random ops with rank-consistent draws (DESIGN §9 "Randomness"): dropout and SDPA's ``dropout_p``.
+"""Random ops with rank-consistent draws (DESIGN §9 "Randomness"): dropout, SDPA's ``dropout_p``
+and stochastic depth (torchvision's ``stochastic_depth``, timm's ``drop_path``).
 
 Every device runs :func:`hapc.ops.dropout` (or :func:`hapc.ops.scaled_dot_product_attention`),
 whose mask is a pure function of (seed, step, op, *global* element index): the local call passes
@@ -8,6 +9,11 @@ of the replicated one, whatever the ratios. Dropout is elementwise, so every dim
 a fixed mask ``m`` it is linear (``m * x / (1 - p)``): every device draws the same ``m`` for the
 same global element, so ``sum_j m * x_j / (1 - p) = m * (sum_j x_j) / (1 - p)`` and Partial passes
 through too (a Partial summand is whole-shaped: its starts are 0).
+
+Stochastic depth keeps or drops whole samples: sample ``i``'s decision is element ``i`` of the same
+counter-based draw over the batch (:func:`hapc.ops.stochastic_depth`), so only the start on dim 0
+matters, and a slice along any other dim draws the same decision as every other rank. It is
+elementwise with a fixed per-sample mask too: every dim shards and Partial passes.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import dataclasses
 from typing import Any
 
 from ... import ops as hops
+from ..graph import RefNode
 from ..props import REPLICATED
 from ..registry import OpView
 from ..strategy import OUT, RNG, LocalCall, Operand, ShardStart, Strategy
@@ -44,12 +51,18 @@ def _dropout_args(view: OpView) -> tuple[float, bool]:
 def _dropout(view: OpView):
     """``F.dropout(x, p, training)`` / ``torch.dropout(x, p, train)``: the rank-consistent draw of
     :func:`hapc.ops.dropout` on every strategy (p = 0 or training=False: the identity)."""
-    p, training = _dropout_args(view)
+    return _elementwise_draws(view, hops.dropout, _dropout_args(view))
+
+
+def _elementwise_draws(view: OpView, fn: Any, args: tuple[Any, ...]) -> list[Strategy]:
+    """The replicated strategy and every sharding of ``... -> ...`` (Partial passing), each
+    calling ``fn(x, *args)`` with the module's stream, this node's name as the op, the whole
+    result's shape and where this device's slice starts."""
     shape = tuple(view.out.shape)
     out = []
     for s in [_replicated(view), *view.annotate("... -> ...", linear="each")]:
         kwargs = (("stream", RNG), ("op", view.node.name), ("starts", _starts(s, len(shape))), ("full_shape", shape))
-        out.append(dataclasses.replace(s, local=LocalCall(hops.dropout, (Operand(0), p, training), kwargs)))
+        out.append(dataclasses.replace(s, local=LocalCall(fn, (Operand(0), *args), kwargs)))
     return out
 
 
@@ -74,3 +87,42 @@ def with_attention_dropout(view: OpView, strategies: list[Strategy]) -> list[Str
         call = LocalCall(hops.scaled_dot_product_attention, tuple(args), tuple({**fixed, **extra}.items()))
         out.append(dataclasses.replace(s, local=call))
     return out
+
+
+#: leaf functions that drop whole samples (fx leaves: torchvision's ``torch.fx.wrap``, timm's by
+#: :mod:`hapc.theory.trace` when timm is loaded): op name -> the position and keyword of p
+SAMPLE_DROPS: dict[str, tuple[int, str]] = {
+    "torchvision.ops.stochastic_depth.stochastic_depth": (1, "p"),
+    "timm.layers.drop.drop_path": (1, "drop_prob"),
+}
+
+
+def sample_drop_p(n: RefNode) -> float:
+    """The drop probability of a stochastic-depth node (whatever its training flag), else 0."""
+    spec = SAMPLE_DROPS.get(n.op)
+    if spec is None:
+        return 0.0
+    pos, name = spec[0], spec[1]
+    return float(n.kwargs.get(name, n.args[pos] if len(n.args) > pos else 0.0))
+
+
+@rule(
+    "torchvision.ops.stochastic_depth.stochastic_depth",
+    doc="every dim shards; Partial -> Partial (a fixed mask is linear); one draw per global sample",
+)
+def _stochastic_depth(view: OpView):
+    """``torchvision.ops.stochastic_depth(x, p, mode, training)``: :func:`hapc.ops.stochastic_depth`
+    on every strategy (p = 0 or training=False: the identity)."""
+    args = (float(view.arg(1, "p")), view.arg(2, "mode"), bool(view.arg(3, "training", True)))
+    return _elementwise_draws(view, hops.stochastic_depth, args)
+
+
+@rule("timm.layers.drop.drop_path", doc="every dim shards; Partial -> Partial; one draw per global sample")
+def _drop_path(view: OpView):
+    """timm's ``drop_path(x, drop_prob, training, scale_by_keep)``: :func:`hapc.ops.drop_path`."""
+    args = (
+        float(view.arg(1, "drop_prob", 0.0)),
+        bool(view.arg(2, "training", False)),
+        bool(view.arg(3, "scale_by_keep", True)),
+    )
+    return _elementwise_draws(view, hops.drop_path, args)
