@@ -6,8 +6,9 @@ values became a constant of the graph: the same "noise" at every step, silently 
 without a traced operand becomes a graph node instead (an in-place draw into a plain tensor,
 ``torch.empty(n).uniform_()``, is a capture error, and ``capture="auto"`` retries with
 torch.export, which records it). On several ranks :func:`hapc.compile` then refuses those nodes:
-each rank would draw its own values (``hapc.api.RANDOM_OPS``); dropout is the random op hapc draws
-rank-consistently.
+each rank would draw its own values (``hapc.api.RANDOM_OPS``); dropout and stochastic depth
+(torchvision's ``stochastic_depth``, timm's ``drop_path``) are the random ops hapc draws
+rank-consistently (:mod:`hapc.theory.rules.random`).
 
 **LayerDrop** (BART, OPT, Whisper, mBART, Marian, ... in training mode)::
 
