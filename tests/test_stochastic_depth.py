@@ -319,3 +319,19 @@ def test_torchvision_model_on_two_ranks_equals_one(name: str) -> None:
     assert want[0] != pytest.approx(plain[0], rel=1e-9), "stochastic depth drops some block"
     for got in run_distributed(_tv_model, 2, name):
         assert_close(got, want, F64, f"{name}: loss and gradients")
+
+
+def test_the_verifier_checks_every_stochastic_depth_triple() -> None:
+    """``hapc.verify`` takes the replicated, stream-drawn call as the reference, so every
+    stochastic-depth triple is checked forward and backward (not skipped as random)."""
+    from collections import Counter
+
+    from hapc.theory.verify import verify
+
+    model, inputs = build("row", batch=11)
+    theory = derive(trace(model, inputs))
+    wanted = [n.index for n in theory.graph if n.op == TV_OP]
+    checked: Counter = Counter()
+    failures = verify(theory, dict(zip(["x", "y"], inputs)), [(0.5, 0.3, 0.2)], nodes=wanted, checked=checked)
+    assert not failures, failures[:3]
+    assert {s for op, s in checked if op == TV_OP} >= {"replicate", "d0", "d1", "linear"}, checked
