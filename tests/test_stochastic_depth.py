@@ -8,7 +8,8 @@ slice along another dim draws the same decision as every other rank. Checked: th
 rate, scale, "batch" mode, identities, slices), the rule's every strategy under the simulator, and
 residual models in float64 on 2 and 3 gloo processes with uneven ratios and an odd batch, whose
 loss, gradients and two SGD steps equal the same model compiled on one rank (and differ from the
-model without the drop, so an identity op cannot pass).
+model without the drop, so an identity op cannot pass); tiny torchvision ConvNeXt and EfficientNet
+and a timm ViT with ``drop_path_rate`` on 2 ranks equal 1 rank; eval mode and the verifier.
 """
 
 from __future__ import annotations
@@ -277,7 +278,7 @@ def test_eval_mode_is_the_identity(compiled_in: str) -> None:
             assert r["refused"]
 
 
-# -- torchvision's own models --------------------------------------------------------------------------------
+# -- torchvision's and timm's own models -------------------------------------------------------------------
 def _convnext() -> tuple[nn.Module, tuple]:
     from torchvision.models.convnext import CNBlockConfig, ConvNeXt
 
@@ -298,12 +299,25 @@ def _efficientnet() -> tuple[nn.Module, tuple]:
     return realworld.WithLoss(model).to(F64), (torch.randn(5, 3, 16, 16, generator=g, dtype=F64), torch.arange(5) % 4)
 
 
-def _tv_model(rank: int, world: int, name: str, p_zero: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
-    model, inputs = {"convnext": _convnext, "efficientnet": _efficientnet}[name]()
+def _timm_vit() -> tuple[nn.Module, tuple]:
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=4, drop_path_rate=0.5
+    )
+    g = torch.Generator().manual_seed(0)
+    return realworld.WithLoss(model).to(F64), (torch.randn(5, 3, 32, 32, generator=g, dtype=F64), torch.arange(5) % 4)
+
+
+def _library_model(rank: int, world: int, name: str, p_zero: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
+    model, inputs = {"convnext": _convnext, "efficientnet": _efficientnet, "timm-vit": _timm_vit}[name]()
     if p_zero:
         for m in model.modules():
             if isinstance(m, _tv().ops.StochasticDepth):
                 m.p = 0.0
+            if type(m).__name__ == "DropPath":
+                m.drop_prob = 0.0
     torch.manual_seed(1234)
     ratios = {"ratios": (0.6, 0.4)} if world == 2 else {}
     module = hapc.compile(model, cluster_of([1e10] * world), inputs, **ratios)
@@ -312,12 +326,14 @@ def _tv_model(rank: int, world: int, name: str, p_zero: bool = False) -> tuple[f
     return float(loss.detach()), module.full_gradients()
 
 
-@pytest.mark.parametrize("name", ["convnext", "efficientnet"])
-def test_torchvision_model_on_two_ranks_equals_one(name: str) -> None:
-    want = run_distributed(_tv_model, 1, name)[0]
-    plain = run_distributed(_tv_model, 1, name, True)[0]
+@pytest.mark.parametrize("name", ["convnext", "efficientnet", "timm-vit"])
+def test_library_model_on_two_ranks_equals_one(name: str) -> None:
+    if name.startswith("timm") and not realworld.has("timm"):
+        pytest.skip("timm does not load")
+    want = run_distributed(_library_model, 1, name)[0]
+    plain = run_distributed(_library_model, 1, name, True)[0]
     assert want[0] != pytest.approx(plain[0], rel=1e-9), "stochastic depth drops some block"
-    for got in run_distributed(_tv_model, 2, name):
+    for got in run_distributed(_library_model, 2, name):
         assert_close(got, want, F64, f"{name}: loss and gradients")
 
 
