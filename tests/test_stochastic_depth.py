@@ -111,6 +111,18 @@ def test_drop_path_is_row_mode_with_timms_scaling() -> None:
     assert hops.drop_path(x, P) is x  # timm's default: training=False
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_draws_are_the_same_on_cuda() -> None:
+    stream = hops.RandomStream(seed=11, step=4)
+    x = torch.randn(9, 33, 5, dtype=F64)
+    for mode in ("row", "batch"):
+        want = hops.stochastic_depth(x, 0.4, mode, stream=stream, op="d", starts=(3, 0, 7), full_shape=(20, 33, 80))
+        got = hops.stochastic_depth(
+            x.cuda(), 0.4, mode, stream=stream, op="d", starts=(3, 0, 7), full_shape=(20, 33, 80)
+        )
+        assert torch.equal(got.cpu(), want), mode
+
+
 # -- the rule's strategies ----------------------------------------------------------------------------------
 class Residual(nn.Module):
     """A conv block and an MLP block, each with a residual branch under stochastic depth (the MLP's
