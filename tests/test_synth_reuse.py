@@ -110,31 +110,70 @@ def test_deepened_bounds_find_the_plain_optimum_where_the_beam_is_poor():
         assert abs(program_cost(theory, model, deep.parts, ratios) - deep.cost) <= 1e-12 * deep.cost
 
 
-def test_a_passed_deadline_returns_the_first_pass_program_marked_unproven(monkeypatch):
-    """Anytime search: a deadline that has passed stops the exact passes; the best of the first
-    pass's program and the data-parallel incumbent comes back marked unproven, its floor below the
-    true optimum (the plain DP's) and its cost above; without a deadline the result is the proven
-    optimum."""
+def test_a_passed_deadline_returns_the_fallback_marked_unproven():
+    """A deadline that has passed stops every search -- the data-parallel incumbent, the first
+    pass, the exact passes -- before any completes a program: the all-replicated fallback comes
+    back, unproven, priced as claimed, its floor below the true optimum (the plain DP's) and its
+    cost above. Were the first pass (beam 1: cheap, never out of time on its own) to ignore the
+    deadline, its program (cheaper here) would come back instead."""
     late = time.monotonic() - 1
     theory, model, ratios, plain = _synth(3, "hap-testbed:8", batch=8)
-    *_, first = _synth(3, "hap-testbed:8", beam=1, deadline=late, batch=8)
-    *_, exact = _synth(3, "hap-testbed:8", beam=1, batch=8)
-    assert exact.proven and exact.floor == exact.cost
-    assert abs(exact.cost - plain.cost) <= 1e-12 * plain.cost
-    assert not first.proven
-    assert first.floor <= plain.cost * (1 + 1e-12) <= first.cost * (1 + 1e-12)
-    assert abs(program_cost(theory, model, first.parts, ratios) - first.cost) <= 1e-12 * first.cost
-    # the data-parallel incumbent bounds what a deadline can return (the beam of one is poorer)
+    *_, late_run = _synth(3, "hap-testbed:8", beam=1, deadline=late, batch=8)
+    *_, first = _synth(3, "hap-testbed:8", beam=1, deadline=time.monotonic() + 600, batch=8)
+    space = SynthSpace(theory, model.m, "node", shardable_triples(theory, model.m))
+    fallback = synthesizer.fallback_program(space, model, ratios)
+    assert fallback is not None and not fallback.proven
+    assert late_run.parts == fallback.parts and late_run.cost == fallback.cost and not late_run.proven
+    assert late_run.floor <= plain.cost * (1 + 1e-12) <= late_run.cost * (1 + 1e-12)
+    assert abs(program_cost(theory, model, late_run.parts, ratios) - late_run.cost) <= 1e-12 * late_run.cost
+    # every triple of the fallback keeps every tensor replicated, with no collective
+    assert all(k in synthesizer.replicated_triples(theory) for k in late_run.triples)
+    # a deadline far off changes nothing: the proven optimum
+    assert first.proven and abs(first.cost - plain.cost) <= 1e-12 * plain.cost < fallback.cost - plain.cost
+
+
+def test_a_deadline_in_the_exact_passes_keeps_the_best_program_found(monkeypatch):
+    """The deadline passing in the exact passes returns the cheaper of the first pass's program and
+    the data-parallel incumbent (priced first under a deadline), unproven; a first pass cut short
+    leaves the exact passes to find the optimum."""
+    theory, model, ratios, plain = _synth(3, "hap-testbed:8", batch=8)
     space = SynthSpace(theory, model.m, "node", shardable_triples(theory, model.m))
     dp = synthesizer.data_parallel_program(space, model, ratios)
-    *_, beam_only = _synth(3, "hap-testbed:8", beam=1, deadline=late, incumbent=False, batch=8)
-    assert dp is not None and dp.cost < beam_only.cost
+    solve = synthesizer._Synth.solve
+    stopped = []
+
+    def out_of_time_in(which: str):
+        def fake(self, required: bool = True):
+            # the outer search only (not the data-parallel incumbent's, over fewer triples)
+            if self.deadline is not None and (self.beam == 0) == (which == "exact") and self.space.allowed == whole:
+                stopped.append(which)
+                raise synthesizer.OutOfTime
+            return solve(self, required)
+
+        return fake
+
+    whole = space.allowed
+    run = synthesizer._Synth(space, model, ratios, None)
+    run.beam = 1
+    first_pass = run.solve()  # the first pass alone
+    monkeypatch.setattr(synthesizer._Synth, "solve", out_of_time_in("exact"))
+    *_, exact = _synth(3, "hap-testbed:8", beam=1, batch=8)  # no deadline: never stopped
+    assert not stopped and exact.proven and abs(exact.cost - plain.cost) <= 1e-12 * plain.cost
+    far = time.monotonic() + 600
+    *_, beam_only = _synth(3, "hap-testbed:8", beam=1, deadline=far, incumbent=False, batch=8)
+    assert stopped and not beam_only.proven and beam_only.cost == first_pass[0]
+    *_, first = _synth(3, "hap-testbed:8", beam=1, deadline=far, batch=8)
+    assert not first.proven
+    assert dp is not None and dp.cost < beam_only.cost  # the beam of one is poorer here
     assert abs(first.cost - dp.cost) <= 1e-12 * dp.cost
-    assert abs(program_cost(theory, model, dp.parts, ratios) - dp.cost) <= 1e-12 * dp.cost
-    # priced because of the deadline, even where the first pass is not far from the lower bound
-    monkeypatch.setattr(synthesizer, "GROWTH", 1e9)
-    *_, near = _synth(3, "hap-testbed:8", beam=1, deadline=late, batch=8)
-    assert abs(near.cost - dp.cost) <= 1e-12 * dp.cost
+    for res in (first, beam_only):
+        assert res.floor <= plain.cost * (1 + 1e-12) <= res.cost * (1 + 1e-12)
+        assert abs(program_cost(theory, model, res.parts, ratios) - res.cost) <= 1e-12 * res.cost
+    monkeypatch.setattr(synthesizer._Synth, "solve", out_of_time_in("first"))
+    stopped.clear()
+    *_, in_first = _synth(3, "hap-testbed:8", beam=synthesizer.BEAM, deadline=far, batch=8)
+    # the first pass cut short: the exact passes, bounded by the incumbent, still prove the optimum
+    assert stopped == ["first"] and in_first.proven and abs(in_first.cost - plain.cost) <= 1e-12 * plain.cost
 
 
 def test_time_limit_marks_the_plan_and_is_checked():

@@ -64,8 +64,10 @@ def balance(
     deadline: float | None = None,
 ) -> Balanced:
     """Alternate synthesis and the ratio LP. ``fixed`` keeps ``initial`` ratios (baselines).
-    ``deadline``: a :func:`time.monotonic` value after which each program search returns the best
-    program it has (:func:`~hapc.synth.synthesizer.synthesize_program`); off by default."""
+    ``deadline``: a :func:`time.monotonic` value, one for every search of every round (and of the
+    memory price's bisection): once it passes, each program search returns the best program it has
+    (:func:`~hapc.synth.synthesizer.synthesize_program`) and no further round starts; off by
+    default. Memory retries still run past it (each then gets the fallback program at once)."""
     th = space.theory
     ratios = initial or model.proportional_ratios()
     best: Balanced | None = None
@@ -111,6 +113,8 @@ def balance(
         if best is None or cost < best.cost - 1e-12:
             best = Balanced(res, new_ratios, cost, history, price)
         key = (tuple(res.triples), tuple(round(r, 9) for r in new_ratios))
+        if deadline is not None and time.monotonic() > deadline:
+            break  # out of time: later rounds would only get the fallback program
         if fixed or key in seen or max(abs(a - b) for a, b in zip(new_ratios, ratios)) < 1e-9:
             break
         seen.add(key)
@@ -140,6 +144,8 @@ def _refine_price(space, model, ratios, price, memory, solver, progress, deadlin
     th = space.theory
     lo, hi, best = price / 10, price, None
     for _ in range(steps):
+        if deadline is not None and time.monotonic() > deadline:
+            break
         mid = (lo * hi) ** 0.5
         res, costs = _synthesize_at(space, model, ratios, mid, progress, deadline)
         try:

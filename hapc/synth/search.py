@@ -74,6 +74,11 @@ class Found:
 Progress = Callable[[SearchStats, float], None]
 
 
+class OutOfTime(Exception):
+    """A search's deadline passed before it finished (:attr:`SegmentSearch.deadline`); nothing it
+    found is returned, so no partial answer is ever cached or mistaken for a complete one."""
+
+
 class SegmentSearch:
     """The search over one segment's triples, with times for fixed ratios.
 
@@ -84,6 +89,8 @@ class SegmentSearch:
         protected: properties never dropped (they are needed after the segment).
         nodes: the op nodes this segment must compute (for the heuristic and termination).
         ntypes: number of device types.
+        deadline: a :func:`time.monotonic` value past which the search raises :class:`OutOfTime`
+            (looked at before every expansion); None: no limit.
     """
 
     def __init__(
@@ -97,8 +104,10 @@ class SegmentSearch:
         ntypes: int,
         start_tokens: frozenset[tuple] = frozenset(),
         progress: Progress | None = None,
+        deadline: float | None = None,
     ):
         self.theory, self.ids, self.ntypes, self.progress = theory, list(triples), ntypes, progress
+        self.deadline = deadline
         self.bits: dict[Prop, int] = {}
         self.tok_bits: dict[tuple, int] = {}
         for p in start | protected:
@@ -290,6 +299,7 @@ class SegmentSearch:
         start = self._drop_dead(self.start, self.start, self.start_tokens)
         push((start, self.start_tokens, self.start, 0.0, zero, zero, -1, -1, -1))
         next_report = t0 + 2.0
+        deadline = self.deadline
         while heap:
             score, idx = heapq.heappop(heap)
             if done(score):
@@ -297,6 +307,9 @@ class SegmentSearch:
             if idx in dead:
                 continue
             self.stats.expanded += 1
+            if deadline is not None and time.monotonic() > deadline:
+                self.stats.seconds += time.perf_counter() - t0
+                raise OutOfTime
             live, tokens, ever, closed, fo, bo, lp, _, _ = nodes[idx]
             cand = set(self.free)
             m = live

@@ -31,9 +31,14 @@ Tiny T5 on ``hap-testbed:8``: 82 s -> 4 s, the same program.
 
 **A time limit (off by default).** The exact passes may still take long where the lower bound is
 far below the optimum (T5-small at its published size: the bound sees compute only, the optimum
-is mostly communication). With a ``deadline`` the search is *anytime*: when it passes, the first
-pass's program is returned marked unproven, with the interval the optimum is known to lie in
-(``[floor, cost]``; ``floor`` is the largest bound an exact pass came back empty from).
+is mostly communication), and a single segment's search can explode (tiny Swin's first segment,
+4556 triples; DenseNet's ``cat`` of k feature maps): even the first pass and the data-parallel
+incumbent then run for minutes. With a ``deadline`` the search is *anytime*: every search checks
+the clock (each segment A* before every expansion), and when it passes the cheapest complete
+program found so far -- the data-parallel incumbent, a first pass of widening beam, an exact
+pass -- is returned marked unproven, with the interval the optimum is known to lie in
+(``[floor, cost]``; ``floor`` is the largest bound an exact pass came back empty from); if none
+is complete, the all-replicated program (:func:`fallback_program`), which needs no search.
 
 **Static data** (masks, position ids, rotary tables: buffers and what they alone compute, without
 gradient) is replicated only (:func:`~hapc.theory.triples.static_data`); its nodes are segments of
@@ -71,7 +76,7 @@ from ..theory.instructions import Collective, Compute
 from ..theory.props import DONE, Prop
 from ..theory.triples import Theory, static_data
 from .cost import CostModel, Vec
-from .search import Progress, SearchStats, SegmentSearch
+from .search import OutOfTime, Progress, SearchStats, SegmentSearch
 from .segments import find_cuts, source_like
 
 SEGMENTATIONS = ("node", "blocks", "none")
@@ -509,7 +514,7 @@ class _Synth:
         self.upper = math.inf
         self.beam = 0  # > 0: keep only that many cheapest states per table (the first pass)
         self.dead_end = -1  # the last segment some states could not get past
-        self.deadline: float | None = None  # time.monotonic() at which an exact pass gives up
+        self.deadline: float | None = None  # time.monotonic() at which every search gives up (OutOfTime)
         lbs = [self.segment_bound(seg) for seg in space.segments]
         self.suffix = [0.0] * (len(lbs) + 1)
         for i in range(len(lbs) - 1, -1, -1):
@@ -587,6 +592,7 @@ class _Synth:
                 self.stats,
                 budget,
                 self.beam,
+                self.deadline,
             )
             found = self.seg_cache[skey] = (complete, self.beam, exits)
             self.searches += 1
@@ -728,19 +734,24 @@ class _Synth:
         return result
 
 
-class _OutOfTime(Exception):
-    """The deadline of :func:`synthesize_program` passed during an exact pass."""
+_OutOfTime = OutOfTime  # the deadline of :func:`synthesize_program` passed (in any of its searches)
 
-
-_SEED = object()  # the back pointer of the data-parallel incumbent (its parts are kept whole)
+_SEED = object()  # the back pointer of a whole incumbent program (data-parallel, or the fallback)
 
 
 def data_parallel_program(
-    space: SynthSpace, model: CostModel, ratios: Vec, progress: Progress | None = None
+    space: SynthSpace,
+    model: CostModel,
+    ratios: Vec,
+    progress: Progress | None = None,
+    deadline: float | None = None,
 ) -> SynthResult | None:
     """The best program of ``space`` that keeps parameters replicated and activations split by
     batch (the triples :func:`~hapc.synth.baselines.restrict` allows DP-EV), at ``ratios``; None
-    where data parallelism cannot compute the loss. An upper bound for :func:`synthesize_program`."""
+    where data parallelism cannot compute the loss. An upper bound for :func:`synthesize_program`.
+
+    ``deadline``: a :func:`time.monotonic` value; once it passes, the best data-parallel program
+    found by then (``proven=False``), or None where none is complete yet."""
     from .baselines import restrict
 
     # the triples DP-EV allows depend on the theory and the device count only: found once per pair
@@ -757,9 +768,39 @@ def data_parallel_program(
         return None
     try:
         sub = space.restricted(space.allowed & known[space.m])
-        return synthesize_program(sub, model, ratios, progress, incumbent=False)
+        return synthesize_program(sub, model, ratios, progress, deadline=deadline, incumbent=False, fallback=False)
+    except (InfeasibleError, OutOfTime):
+        return None
+
+
+def replicated_triples(theory: Theory) -> frozenset[int]:
+    """The triples of the all-replicated program: every tensor whole on every device, no
+    collective (each device runs the whole step on the whole batch, as one device would)."""
+    known = theory.__dict__.get("_replicated_triples")
+    if known is None:
+        known = theory.__dict__["_replicated_triples"] = frozenset(
+            k
+            for k, t in enumerate(theory.triples)
+            if not any(isinstance(ins, Collective) for ins in t.instrs)
+            and all(p == DONE or p.layout.is_replicated for p in t.pre | t.post)
+        )
+    return known
+
+
+def fallback_program(space: SynthSpace, model: CostModel, ratios: Vec) -> SynthResult | None:
+    """A valid program of ``space`` found without a search that can explode: the all-replicated
+    one (:func:`replicated_triples`; one triple per node, so every segment search is a single
+    path), through the first pass alone (beam 1, no exact passes; ``proven=False``). Returned by
+    :func:`synthesize_program` when its deadline passes before any search completed a program.
+    None where ``space`` does not allow it (a baseline's restricted triples)."""
+    sub = space.restricted(space.allowed & replicated_triples(space.theory))
+    run = _Synth(sub, model, ratios, None)
+    run.beam = 1
+    try:
+        found = run.solve()
     except InfeasibleError:
         return None
+    return _result(sub, run, found, [], False, run.suffix[0])
 
 
 def synthesize_program(
@@ -770,6 +811,7 @@ def synthesize_program(
     beam: int = BEAM,
     deadline: float | None = None,
     incumbent: bool = True,
+    fallback: bool = True,
 ) -> SynthResult:
     """The optimal program for ``ratios`` (HAP Eq. 1) within ``space``'s segmented cost model.
 
@@ -785,41 +827,72 @@ def synthesize_program(
     program when nothing beats it). ``beam=0`` skips the first pass and the deepening (the plain
     DP).
 
-    ``deadline`` (a :func:`time.monotonic` value; off by default) makes the search *anytime*: once
-    it passes, the exact passes stop and the first pass's program is returned with
-    ``proven=False`` and ``floor`` = the largest bound an exact pass proved the optimum above
-    (or the whole program's lower bound). A program is always returned: when the first pass found
-    none, the exact passes run on until one does.
-
     ``incumbent``: where the first pass's ``U`` is far above the lower bound (more than two
-    deepening passes away), or a ``deadline`` is set, the best *data-parallel* program (:func:`data_parallel_program`, a
-    search over a much smaller space) is priced too, and the cheaper of the two bounds the exact
-    passes. The beam keeps the cheapest prefixes and so misses programs that pay early (the
-    gradient all-reduce of the embedding); on T5-small at its published size on hap-testbed:8 the
-    first pass's program costs 190 ms against data parallelism's 84 ms. Any complete program is a
-    valid bound, so the optimum is unchanged; with a ``deadline``, the unproven result is never
-    worse than data parallelism.
+    deepening passes away), or a ``deadline`` is set, the best *data-parallel* program
+    (:func:`data_parallel_program`, a search over a much smaller space) is priced too, and the
+    cheaper of the two bounds the exact passes. The beam keeps the cheapest prefixes and so misses
+    programs that pay early (the gradient all-reduce of the embedding); on T5-small at its
+    published size on hap-testbed:8 the first pass's program costs 190 ms against data
+    parallelism's 84 ms. Any complete program is a valid bound, so the optimum is unchanged.
+
+    ``deadline`` (a :func:`time.monotonic` value; off by default) makes the search *anytime*: it
+    bounds every search run here -- the data-parallel incumbent, the first pass, the exact passes,
+    and each segment's A* inside them (:class:`~hapc.synth.search.OutOfTime`). With a deadline
+    the incumbent is searched first, within half the time left, then first passes of widening
+    beams (1, 4, 16, ... ``beam``: a narrow one is cheap) and the exact passes within the rest.
+    Once it passes, the cheapest complete program found so far is returned with ``proven=False``
+    and ``floor`` = the largest bound an exact pass proved the optimum above (or the whole
+    program's lower bound): the optimum lies in ``[floor, cost]``. When no search completed a
+    program by then, the all-replicated program (:func:`fallback_program`: one path, nothing to
+    search) is returned (``fallback=False``: :class:`~hapc.synth.search.OutOfTime` is raised
+    instead). It comes back within the deadline plus one expansion of a segment search plus the
+    fallback's pass (measured on tiny Swin and DenseNet-121: at most 0.25 s past it). Where
+    ``space`` rules the fallback out (a baseline's triples) and nothing was found, the exact
+    passes run on without the deadline: a program is always returned.
     """
     run = _Synth(space, model, ratios, progress)
     best = None
-    if beam:
-        run.beam = beam
-        try:
-            best = run.solve()
-        except InfeasibleError:
-            best = None
-        run.beam = 0
     seed = None
-    far = best is None or best[0] > run.suffix[0] * GROWTH**2
-    if beam and incumbent and (far or deadline is not None):
-        seed = data_parallel_program(space, model, ratios, progress)
-        if seed is not None and (best is None or seed.cost < best[0]):
+    if beam and incumbent and deadline is not None:
+        # the incumbent first, in half the time left: it rarely explodes, and bounds what the
+        # deadline returns (the first pass alone can be far poorer, and may not finish)
+        share = time.monotonic() + max(0.0, deadline - time.monotonic()) / 2
+        seed = data_parallel_program(space, model, ratios, progress, deadline=share)
+        if seed is not None:
             best = (seed.cost, _SEED)
-        else:
-            seed = None
+    run.deadline = deadline
+    if beam:
+        first = None
+        # with a deadline, widen the beam (1, 4, 16, ... beam): a narrow first pass is cheap and
+        # soon gives a program (tiny Swin: beam 1 in 0.3 s, beam 64 past 30 s)
+        for width in [beam] if deadline is None else _widths(beam):
+            run.beam, run.block_cache = width, {}
+            try:
+                got = run.solve()
+            except InfeasibleError:
+                continue
+            except OutOfTime:
+                break
+            if first is None or got[0] < first[0]:
+                first = got
+        run.beam = 0
+        if first is not None and (best is None or first[0] < best[0]):
+            best = first
+        far = first is None or first[0] > run.suffix[0] * GROWTH**2
+        if incumbent and deadline is None and far:
+            seed = data_parallel_program(space, model, ratios, progress)
+            if seed is not None and (best is None or seed.cost < best[0]):
+                best = (seed.cost, _SEED)
+    if best is None and deadline is not None:
+        seed = fallback_program(space, model, ratios)
+        if seed is not None:
+            best = (seed.cost, _SEED)
+        elif not fallback:
+            raise OutOfTime
     found, bounds = None, []
     floor, proven = run.suffix[0], True
-    run.deadline = deadline if best is not None else None  # never return without a program
+    if best is None:
+        run.deadline = None  # never return without a program
     try:
         if beam:
             # deepen the bound from the lower bound towards U (or, when the beam died out, up to
@@ -842,18 +915,32 @@ def synthesize_program(
             run.block_cache = {}
             bounds.append(run.upper)
             found = run.solve(required=best is None)
-    except _OutOfTime:
+    except OutOfTime:
         found, proven = None, False
     finally:
         run.deadline = None
     if found is not None and (best is None or found[0] < best[0]):
         best = found
     assert best is not None
-    total, back = best
-    if back is _SEED:
+    if best[1] is _SEED:
         assert seed is not None
-        floor = total if proven else floor
-        return SynthResult(seed.parts, total, seed.segment_costs, run.stats, run.searches, bounds, proven, floor)
+        floor = best[0] if proven else floor
+        return SynthResult(seed.parts, best[0], seed.segment_costs, run.stats, run.searches, bounds, proven, floor)
+    return _result(space, run, best, bounds, proven, best[0] if proven else floor)
+
+
+def _widths(beam: int) -> list[int]:
+    """The beams of the first passes under a deadline: 1, 4, 16, ... below ``beam``, then ``beam``."""
+    out, w = [], 1
+    while w < beam:
+        out.append(w)
+        w *= 4
+    return out + [beam]
+
+
+def _result(space: SynthSpace, run: _Synth, best: tuple, bounds: list, proven: bool, floor: float) -> SynthResult:
+    """The program of ``best`` (``(cost, back pointer)`` of ``run``'s tables) as a result."""
+    total, back = best
     parts: list[list[int]] = [[] for _ in space.segments]
     seg_costs = [0.0] * len(space.segments)
     while back is not None:
@@ -863,7 +950,7 @@ def synthesize_program(
         else:  # a whole repeated block
             for sj, p, sc in prog:
                 parts[sj], seg_costs[sj] = p, sc
-    return SynthResult(parts, total, seg_costs, run.stats, run.searches, bounds, proven, total if proven else floor)
+    return SynthResult(parts, total, seg_costs, run.stats, run.searches, bounds, proven, floor)
 
 
 def _prune_dominated(states: dict[tuple[int, int], tuple], bits: _Bits) -> None:
@@ -895,17 +982,36 @@ def _covers(cached: tuple, budget: float, count: int) -> bool:
 
 
 def _explore(
-    th, rep: Segment, rel_enter, rel_tokens, time_of, model, progress, stats, budget: float, count: int
+    th,
+    rep: Segment,
+    rel_enter,
+    rel_tokens,
+    time_of,
+    model,
+    progress,
+    stats,
+    budget: float,
+    count: int,
+    deadline: float | None = None,
 ) -> tuple[dict, float]:
     """The exits of ``rep``'s search from a relative entry, and the cost up to which they are
-    complete (:meth:`SegmentSearch.explore`)."""
+    complete (:meth:`SegmentSearch.explore`); :class:`OutOfTime` past ``deadline``."""
     lab, ref = rep.labels, rep.refs_of
     enter = frozenset(Prop(ref[r], lay) for r, lay in rel_enter)
     tokens = frozenset((a, ref[r]) for a, r in rel_tokens)
     protected = frozenset(Prop(x, lay) for x, ls in rep.local_needed.items() for lay in ls) | frozenset({DONE})
     trip = list(rep.triples)
     search = SegmentSearch(
-        th, trip, [time_of(k) for k in trip], enter, protected, rep.anchors, len(model.types), tokens, progress
+        th,
+        trip,
+        [time_of(k) for k in trip],
+        enter,
+        protected,
+        rep.anchors,
+        len(model.types),
+        tokens,
+        progress,
+        deadline,
     )
 
     def exit_key(live: frozenset[Prop], toks: frozenset) -> tuple:
@@ -916,13 +1022,17 @@ def _explore(
 
     if not rep.local_needed and not rep.local_tokens:
         # nothing to leave behind but the loss: plain A* with its early stop (HAP Fig. 10)
-        found = search.run({"done": frozenset({DONE})})
-        stats.add(search.stats)
+        try:
+            found = search.run({"done": frozenset({DONE})})
+        finally:
+            stats.add(search.stats)
         done = found.get("done")
         key = (frozenset({(lab[DONE.ref], DONE.layout)}), frozenset())
         return ({key: (done.cost, done.triples)} if done else {}), math.inf
-    found, complete = search.explore(exit_key, budget, count)
-    stats.add(search.stats)
+    try:
+        found, complete = search.explore(exit_key, budget, count)
+    finally:
+        stats.add(search.stats)
     return {key: (f.cost, f.triples) for key, f in found.items()}, complete
 
 
