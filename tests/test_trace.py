@@ -256,6 +256,54 @@ def test_optional_inputs_left_at_none_take_the_callers_branch(given, capture):
     torch.testing.assert_close(got, model(**inputs), rtol=1e-12, atol=0)
 
 
+def _returns_tuple_unless_asked(forward):
+    """A decorator like Hugging Face's ``@can_return_tuple``: ``(self, *args, **kwargs)`` around
+    the forward, popping an option from the keywords."""
+    import functools
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        as_dict = kwargs.pop("return_dict", True)
+        out = forward(self, *args, **kwargs)
+        return out if as_dict else (out,)
+
+    return wrapper
+
+
+class _VariadicForward(nn.Module):
+    """``forward(self, x, labels=None, scale=None, **kwargs)`` as Hugging Face models write it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x, labels=None, scale=None, **kwargs):
+        y = self.lin(x)
+        if scale is not None:
+            y = y * scale
+        return F.cross_entropy(y, labels)
+
+
+class _DecoratedForward(_VariadicForward):
+    @_returns_tuple_unless_asked
+    def forward(self, x, labels=None, scale=None, **kwargs):
+        return super().forward(x, labels, scale, **kwargs)
+
+
+@pytest.mark.parametrize("cls", [_VariadicForward, _DecoratedForward])
+def test_a_forward_taking_kwargs_is_traced_by_fx_with_its_named_inputs(cls):
+    """fx gave ``**kwargs`` a placeholder with no example value, and called a decorated forward's
+    wrapper with a proxy (or None) bound to the wrapper's own ``**kwargs``: both failed. The root is
+    traced through a function of the named parameters only (``trace._named_root``)."""
+    torch.manual_seed(0)
+    model = cls().double()
+    x, labels = torch.randn(5, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1])
+    g = hapc.trace(model, {"x": x, "labels": labels}, capture="fx")
+    assert [n.name for n in g.inputs] == ["x", "labels"]  # scale left at None: a constant
+    got = g.evaluate({"x": x, "labels": labels})[g.loss.index]
+    torch.testing.assert_close(got, model(x, labels=labels), rtol=1e-12, atol=0)
+
+
 class _ItemAssignment(nn.Module):
     def __init__(self):
         super().__init__()

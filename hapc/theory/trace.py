@@ -120,6 +120,41 @@ def _library_leaves() -> tuple[Any, ...]:
     return (fn,) if callable(fn) else ()
 
 
+def _named_root(root_fn: Any) -> Any:
+    """A function with exactly the named parameters of a variadic forward (``**kwargs``, maybe
+    behind a wrapper), calling ``root_fn`` with them by keyword (None when the forward takes no
+    ``*args`` / ``**kwargs``): fx would give ``**kwargs`` a placeholder of its own, with no example
+    value. Its code is generated so that fx, which reads ``__code__``, sees the names::
+
+        def forward(self, pixel_values=None, labels=None):
+            return _wrapped(self, pixel_values=pixel_values, labels=labels)
+
+    Defaults are kept (fx's ``concrete_args`` and hapc's binding of the example inputs use them)."""
+    import inspect
+
+    inner = inspect.unwrap(root_fn)
+    if not hasattr(inner, "__code__"):
+        return None
+    sig = inspect.signature(inner)
+    params = list(sig.parameters.values())
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    if not any(p.kind in variadic for p in params):
+        return None
+    named = [p for p in params if p.kind not in variadic]
+    if any(p.kind is inspect.Parameter.POSITIONAL_ONLY for p in named[1:]) or not all(
+        p.name.isidentifier() for p in named
+    ):
+        return None
+    first, rest = named[0].name, named[1:]
+    defaults = {p.name: p.default for p in rest if p.default is not inspect.Parameter.empty}
+    head = ", ".join([first, *(f"{p.name}=_d[{p.name!r}]" if p.name in defaults else p.name for p in rest)])
+    call = ", ".join(f"{p.name}={p.name}" for p in rest)
+    src = f"def {inner.__name__}({head}):\n    return _wrapped({first}, {call})\n"
+    scope: dict[str, Any] = {"_wrapped": root_fn, "_d": defaults}
+    exec(compile(src, f"<hapc root of {inner.__qualname__}>", "exec"), scope)
+    return scope[inner.__name__]
+
+
 class _Tracer(fx.Tracer):
     def __init__(self, leaves: tuple[type, ...], registry: Registry, example_inputs: Any):
         autowrap = (*registry.custom_functions.values(), *_library_leaves())
@@ -137,6 +172,16 @@ class _Tracer(fx.Tracer):
         self._placeholders = 0
         self.device = _example_device(example_inputs)
         self.memo = MetaMemo()  # the layers' repeated meta evaluations, computed once (plain_meta)
+
+    def create_args_for_root(self, root_fn: Any, is_module: bool, concrete_args: Any = None) -> Any:
+        """A root whose forward takes ``**kwargs`` (Hugging Face's ``forward(self, pixel_values,
+        labels, **kwargs)``) is traced through :func:`_named_root`, which takes the named
+        parameters only and passes them on by name: fx would make ``**kwargs`` a placeholder
+        without an example value, and where the forward is decorated (``@can_return_tuple``: BEiT,
+        Wav2Vec2, ...) it reads the parameters from the unwrapped forward but calls the wrapper,
+        binding a proxy or ``None`` to the wrapper's own ``**kwargs``."""
+        shim = _named_root(root_fn)
+        return super().create_args_for_root(shim or root_fn, is_module, concrete_args)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         # the user's leaves and the modules with a functional form stay whole; every other module,
