@@ -327,6 +327,10 @@ def _mode_branch(model: torch.nn.Module, example_inputs: Any, graph: Any, **trac
     from .theory import trace
 
     mode = model.training
+    # a capture keeps the tensors the forward makes from constants on the model (``_tensor_constant*``,
+    # as fx does); the other mode's are only compared here, and could be shapes only (a meta trace):
+    # they must not stay on the model, where the runtime would take them for the program's state
+    before = {k: v for k, v in vars(model).items() if k.startswith("_tensor_constant")}
     try:
         model.train(not mode)
         other = trace(model, example_inputs, **trace_opts)
@@ -334,6 +338,9 @@ def _mode_branch(model: torch.nn.Module, example_inputs: Any, graph: Any, **trac
         return f"the model in {'eval' if mode else 'training'} mode ({type(exc).__name__}: {str(exc)[:120]})"
     finally:
         model.train(mode)
+        for name in [k for k in vars(model) if k.startswith("_tensor_constant")]:
+            delattr(model, name)
+        vars(model).update(before)
     a, b = _mode_key(graph), _mode_key(other)
     if a == b:
         return None

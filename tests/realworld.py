@@ -178,6 +178,17 @@ def vit_hf(batch: int = 4, size: str = "tiny") -> tuple[nn.Module, dict]:
     return t.ViTForImageClassification(cfg), dict(pixel_values=pixels, labels=torch.arange(batch) % 10)
 
 
+def levit(batch: int = 4) -> tuple[nn.Module, dict]:
+    """LeViT: attention biases gathered by an index buffer in training and cached per device in
+    eval (hapc.compile's capture of the eval mode, for comparison, must leave nothing behind)."""
+    t = _hf()
+    cfg = t.LevitConfig(image_size=32, hidden_sizes=[16, 24, 32], num_attention_heads=[1, 2, 2], depths=[1, 1, 1],
+                        key_dim=[8, 8, 8], patch_size=16, stride=2, num_labels=10,
+                        down_ops=[["Subsample", 8, 2, 4, 2, 2], ["Subsample", 8, 3, 4, 2, 2]])  # fmt: skip
+    pixels = torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    return t.LevitForImageClassification(cfg), dict(pixel_values=pixels, labels=torch.arange(batch) % 10)
+
+
 def _images(batch: int, size: int, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0))
     return x, torch.arange(batch) % classes
@@ -221,6 +232,7 @@ MODELS: dict[str, tuple[Callable[..., tuple[nn.Module, Any]], str]] = {
     "opt": (opt, "transformers"),
     "bart": (bart, "transformers"),
     "vit-hf": (vit_hf, "transformers"),
+    "levit": (levit, "transformers"),
     "tv-resnet": (tv_resnet, "torchvision"),
     "tv-vit": (tv_vit, "torchvision"),
     "tv-mobilenet": (tv_mobilenet, "torchvision"),

@@ -65,6 +65,43 @@ def test_a_model_without_training_branch_switches_to_eval():
     assert texts[0].startswith("ok") and texts[0] == texts[1]
 
 
+class EvalOffsets(nn.Module):
+    """Eval mode adds offsets made in forward (a constant of the capture, kept on the model as
+    ``_tensor_constant*``), training mode does not: a ``self.training`` branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 4)
+
+    def forward(self, x, y):
+        h = self.lin(x)
+        if not self.training:
+            h = h + torch.tensor([0.5, -0.5, 0.25, 0.0], dtype=h.dtype)
+        return F.cross_entropy(h, y)
+
+
+def _constants_left(rank: int, world: int) -> tuple[list[str], str]:
+    torch.manual_seed(0)
+    model = EvalOffsets().double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.arange(8) % 4
+    module = hapc.compile(model, "local-cpu:2", (x, y), capture="export")
+    left = sorted(k for k in vars(model) if k.startswith("_tensor_constant"))
+    try:
+        module.eval()
+    except HapcError as exc:
+        return left, str(exc)
+    return left, "switched"
+
+
+def test_the_other_modes_capture_leaves_nothing_on_the_model():
+    """hapc.compile captures the other train/eval mode only to compare (``api._mode_branch``). Its
+    constants were left on the model's root, where the runtime took them for state of the program
+    (HF LeViT: a KeyError materialising one)."""
+    for left, text in run_distributed(_constants_left, 2):
+        assert left == []
+        assert "computes something else in eval mode" in text
+
+
 class Counter(nn.Module):
     def __init__(self):
         super().__init__()

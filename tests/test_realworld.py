@@ -118,7 +118,7 @@ TP_MODELS = {
 
 #: models whose every case is in `make test-slow` (the default suite's time is spent; their
 #: mechanisms -- LayerDrop, Gemma's parameter chains -- have fast tests of their own)
-SLOW_ONLY = {"gemma", "opt", "bart"}
+SLOW_ONLY = {"gemma", "opt", "bart", "levit"}
 
 # (model, processes, cluster, options): every model on 2 and 3 processes under the default plan
 # (local-cpu:3 is two fast devices and one half as fast: the LP's ratios are uneven) and on 3 under
