@@ -65,7 +65,7 @@ from .plan import Plan, PlanStage, program_from_triples
 from .synth.baselines import BASELINES, needs_param_comm, restrict
 from .synth.cost import CostModel
 from .synth.search import Progress
-from .synth.synthesizer import SynthSpace, shardable_triples
+from .synth.synthesizer import SynthSpace, searches_until, shardable_triples
 from .theory.graph import OP
 from .theory.trace import backward_work
 
@@ -458,7 +458,10 @@ def choose_plan(
     ``group=``). Kinds left out of ``kinds`` are reported as ``"overridden"``. Ties go to SPMD,
     then to fewer replicas. ``replicas``: the data-parallel replica counts of a pipeline to price
     (default: every ``R > 1`` dividing ``num_micro`` for which a layout tiles the cluster; ``()``:
-    none); each (count, layout) is one more entry ``pipeline xR (layout)``.
+    none); each (count, layout) is one more entry ``pipeline xR (layout)``. A ``time_limit`` in
+    ``synth_options`` bounds the SPMD search and, with a budget of its own, every search of the
+    pipeline's pricing (:func:`~hapc.synth.synthesizer.searches_until`): planning takes about twice
+    it at most, plus tracing, deriving and the pipelines' non-search work.
 
     Raises:
         InfeasibleError: no kind can run; the message gives each kind's reason.
@@ -525,6 +528,10 @@ def choose_plan(
             counts = micro_candidates(batch, cluster.num_devices)
             start = max(d for d in counts if d <= START_MICRO)
         searched = num_micro is None
+        # time_limit bounds the pipeline's pricing too (its stage costs' searches), with a budget
+        # of its own: the SPMD search spent up to one already
+        limit = synth_options.get("time_limit")
+        scope = searches_until(None if limit is None else time.monotonic() + limit)
 
         def price(B: int, batch: int = batch, searched: bool = searched) -> float:
             entries = _price_pipelines(
@@ -537,7 +544,8 @@ def choose_plan(
                     plans[est.kind] = pplan
             return min((e.time for e, p in entries if p is not None), default=math.inf)
 
-        search_micro(price, counts, start)
+        with scope:
+            search_micro(price, counts, start)
     priced = [k for k in out if k.status == "feasible"]
     if not priced:
         why = "; ".join(f"{k.kind}: {k.status}: {k.reason}" for k in out)

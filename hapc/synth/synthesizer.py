@@ -66,7 +66,9 @@ import math
 import time
 import warnings
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -737,6 +739,19 @@ class _Synth:
 _OutOfTime = OutOfTime  # the deadline of :func:`synthesize_program` passed (in any of its searches)
 
 _SEED = object()  # the back pointer of a whole incumbent program (data-parallel, or the fallback)
+_SCOPED_DEADLINE: ContextVar[float | None] = ContextVar("hapc_synth_deadline", default=None)
+
+
+@contextmanager
+def searches_until(deadline: float | None) -> Iterator[None]:
+    """Every :func:`synthesize_program` called inside without a ``deadline`` of its own stops at
+    ``deadline``: how a caller that cannot pass one down is bounded (the pipeline planner prices
+    stages through :mod:`hapc.pipeline.stagecost`). None: no limit."""
+    token = _SCOPED_DEADLINE.set(deadline)
+    try:
+        yield
+    finally:
+        _SCOPED_DEADLINE.reset(token)
 
 
 def data_parallel_program(
@@ -848,8 +863,11 @@ def synthesize_program(
     instead). It comes back within the deadline plus one expansion of a segment search plus the
     fallback's pass (measured on tiny Swin and DenseNet-121: at most 0.25 s past it). Where
     ``space`` rules the fallback out (a baseline's triples) and nothing was found, the exact
-    passes run on without the deadline: a program is always returned.
+    passes run on without the deadline: a program is always returned. Without a ``deadline``,
+    the one of an enclosing :func:`searches_until` applies.
     """
+    if deadline is None:
+        deadline = _SCOPED_DEADLINE.get()
     run = _Synth(space, model, ratios, progress)
     best = None
     seed = None

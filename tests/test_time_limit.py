@@ -1,0 +1,157 @@
+"""``time_limit=`` bounds planning where the exact search explodes, and the plan it gives trains.
+
+The model is DenseNet's pattern without torchvision: every layer reads the concatenation of all
+earlier feature maps, so the n-ary ``cat`` of each layer is searched jointly over the layouts of
+its operands. With 12 layers the exact synthesis on ``local-cpu:2`` takes 49 s on this project's
+2-core host (8 layers: 2.8 s); before the limit reached every search, ``time_limit=`` did not
+bound it (tiny DenseNet-121 and HF Swin planned for minutes with ``time_limit=10``).
+
+Wall-clock is asserted only loosely (10x the limit: "seconds, not minutes"); the planner's own
+times (``plan.timings``) are used, so tracing and deriving are not counted. Each plan -- the one a
+short limit finds and the all-replicated fallback a limit too short for any search gives -- is
+compiled on 2 gloo processes in float64 and trained: loss, every gradient and the weights after
+two SGD steps equal one device's.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import hapc
+from hapc.testing import run_distributed
+from hapc.theory.instructions import Collective, Compute, Source
+
+LIMIT = 2.0  # seconds
+LAYERS = 12
+
+
+class Dense(nn.Module):
+    """A dense block of linears: layer ``i`` reads ``cat`` of the stem and layers ``0..i-1``."""
+
+    def __init__(self, layers: int = LAYERS, d: int = 4, grow: int = 4):
+        super().__init__()
+        self.stem = nn.Linear(d, grow)
+        self.norms = nn.ModuleList(nn.LayerNorm(grow * (i + 1)) for i in range(layers))
+        self.fcs = nn.ModuleList(nn.Linear(grow * (i + 1), grow) for i in range(layers))
+        self.head = nn.Linear(grow * (layers + 1), 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        feats = [self.stem(x)]
+        for norm, fc in zip(self.norms, self.fcs):
+            feats.append(torch.relu(fc(norm(torch.cat(feats, -1)))))
+        return ((self.head(torch.cat(feats, -1)) - y) ** 2).mean()
+
+
+def _build() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = Dense().double()
+    g = torch.Generator().manual_seed(1)
+    return model, (
+        torch.randn(8, 4, generator=g, dtype=torch.float64),
+        torch.randn(8, 1, generator=g, dtype=torch.float64),
+    )
+
+
+@contextmanager
+def _at_most(seconds: float) -> Iterator[None]:
+    """Fail (instead of hanging for minutes) when the block runs past ``seconds``: the symptom of a
+    search the limit does not reach. Only where signals can be set (the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(*_: Any) -> None:
+        raise TimeoutError(f"planning ran past {seconds:.0f} s with time_limit={LIMIT}: some search ignores it")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_a_time_limit_bounds_a_search_that_explodes() -> None:
+    model, batch = _build()
+    with _at_most(10 * LIMIT + 20):
+        plan = hapc.synthesize(model, "local-cpu:2", batch, time_limit=LIMIT)
+    planning = plan.timings["space"] + plan.timings["balance"]
+    assert planning < 10 * LIMIT, plan.timings
+    # the exact search needs far longer than the limit: the plan cannot have been proven
+    assert plan.predicted["proven_optimal"] is False
+    assert plan.predicted["optimality_gap"] >= 1
+    assert "not proven optimal" in str(plan)
+
+
+def _sgd(module: Any, batch: Any, steps: int = 2) -> list[float]:
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = module(*batch)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _job(rank: int, world: int, limit: float) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    model, batch = _build()
+    module = hapc.compile(model, "local-cpu:2", batch, time_limit=limit)
+    loss = module(*batch)
+    loss.backward()
+    out = {"loss": float(loss.detach()), "grads": module.full_gradients()}
+    out["losses"] = _sgd(module, batch)
+    out["state"] = module.full_state_dict()
+    out["proven"] = module.plan.predicted["proven_optimal"]
+    instrs = module.plan.instructions
+    out["split"] = sum(isinstance(i, Compute) and not i.output.is_replicated for i in instrs)
+    out["split"] += sum(isinstance(i, Source) and not i.layout.is_replicated for i in instrs)
+    out["collectives"] = sum(isinstance(i, Collective) for i in instrs)
+    return out
+
+
+def _reference() -> dict[str, Any]:
+    model, batch = _build()
+    loss = model(*batch)
+    loss.backward()
+    ref = {"loss": float(loss.detach()), "grads": {k: p.grad.clone() for k, p in model.named_parameters()}}
+    ref["losses"] = _sgd(model, batch)
+    ref["state"] = model.state_dict()
+    return ref
+
+
+@pytest.mark.parametrize(
+    "limit",
+    [
+        pytest.param(LIMIT, id="searched"),
+        # no search completes a program in a nanosecond: the all-replicated fallback is the plan
+        pytest.param(1e-9, id="fallback"),
+    ],
+)
+def test_a_time_limited_plan_trains_like_one_device(limit: float) -> None:
+    ref = _reference()
+    results = run_distributed(_job, 2, limit, timeout=180)
+    scale = max(float(v.abs().max()) for v in ref["grads"].values())
+    for r in results:
+        assert r["proven"] is False
+        assert r["loss"] == pytest.approx(ref["loss"], rel=1e-12)
+        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-10)
+        for what in ("grads", "state"):
+            assert set(r[what]) == set(ref[what])
+            for k, v in ref[what].items():
+                assert float((r[what][k] - v).abs().max()) <= 1e-9 * scale, f"{what} {k}"
+    if limit < 1e-6:  # every tensor whole on every device, nothing communicated
+        assert results[0]["split"] == results[0]["collectives"] == 0
+    else:  # a searched plan splits the work
+        assert results[0]["split"] > 0
