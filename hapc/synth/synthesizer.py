@@ -806,8 +806,9 @@ def fallback_program(space: SynthSpace, model: CostModel, ratios: Vec) -> SynthR
     """A valid program of ``space`` found without a search that can explode: the all-replicated
     one (:func:`replicated_triples`; one triple per node, so every segment search is a single
     path), through the first pass alone (beam 1, no exact passes; ``proven=False``). Returned by
-    :func:`synthesize_program` when its deadline passes before any search completed a program.
-    None where ``space`` does not allow it (a baseline's restricted triples)."""
+    :func:`synthesize_program` when its deadline passes before any search completed a program
+    (which reports its own lower bound as ``floor``; here it is 0: nothing is proven about
+    ``space``'s optimum). None where ``space`` does not allow it (a baseline's restricted triples)."""
     sub = space.restricted(space.allowed & replicated_triples(space.theory))
     run = _Synth(sub, model, ratios, None)
     run.beam = 1
@@ -815,7 +816,7 @@ def fallback_program(space: SynthSpace, model: CostModel, ratios: Vec) -> SynthR
         found = run.solve()
     except InfeasibleError:
         return None
-    return _result(sub, run, found, [], False, run.suffix[0])
+    return _result(sub, run, found, [], False, 0.0)
 
 
 def synthesize_program(
