@@ -128,6 +128,10 @@ def test_a_passed_deadline_returns_the_fallback_marked_unproven():
     assert abs(program_cost(theory, model, late_run.parts, ratios) - late_run.cost) <= 1e-12 * late_run.cost
     # every triple of the fallback keeps every tensor replicated, with no collective
     assert all(k in synthesizer.replicated_triples(theory) for k in late_run.triples)
+    # the data-parallel incumbent has no fallback of its own: out of time, none
+    assert synthesizer.data_parallel_program(space, model, ratios, deadline=late) is None
+    with pytest.raises(synthesizer.OutOfTime):
+        synthesize_program(space, model, ratios, beam=1, deadline=late, fallback=False)
     # a deadline far off changes nothing: the proven optimum
     assert first.proven and abs(first.cost - plain.cost) <= 1e-12 * plain.cost < fallback.cost - plain.cost
 

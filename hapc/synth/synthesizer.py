@@ -902,15 +902,13 @@ def synthesize_program(
             seed = data_parallel_program(space, model, ratios, progress)
             if seed is not None and (best is None or seed.cost < best[0]):
                 best = (seed.cost, _SEED)
-    if best is None and deadline is not None:
+    if best is None and deadline is not None and fallback:
         seed = fallback_program(space, model, ratios)
         if seed is not None:
             best = (seed.cost, _SEED)
-        elif not fallback:
-            raise OutOfTime
     found, bounds = None, []
     floor, proven = run.suffix[0], True
-    if best is None:
+    if best is None and fallback:
         run.deadline = None  # never return without a program
     try:
         if beam:
@@ -940,7 +938,8 @@ def synthesize_program(
         run.deadline = None
     if found is not None and (best is None or found[0] < best[0]):
         best = found
-    assert best is not None
+    if best is None:  # fallback=False: out of time with nothing complete
+        raise OutOfTime
     if best[1] is _SEED:
         assert seed is not None
         floor = best[0] if proven else floor
