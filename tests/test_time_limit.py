@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -155,3 +156,25 @@ def test_a_time_limited_plan_trains_like_one_device(limit: float) -> None:
         assert results[0]["split"] == results[0]["collectives"] == 0
     else:  # a searched plan splits the work
         assert results[0]["split"] > 0
+
+
+def test_out_of_time_and_memory_says_raise_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the deadline a memory retry would only get the all-replicated fallback (the largest
+    program): the balance loop says the time limit is why nothing fits, instead of retrying."""
+    from hapc.balance import loop
+    from hapc.cluster import Cluster
+    from hapc.errors import InfeasibleError
+    from hapc.synth.cost import CostModel
+    from hapc.synth.synthesizer import SynthSpace, shardable_triples
+
+    model, batch = _build()
+    theory = hapc.derive(hapc.trace(model, batch))
+    cm = CostModel(Cluster.load("local-cpu:2"))
+    space = SynthSpace(theory, cm.m, "node", shardable_triples(theory, cm.m))
+
+    def no_fit(*_: Any, **__: Any) -> Any:
+        raise InfeasibleError("no ratios fit the memory")
+
+    monkeypatch.setattr(loop, "solve_ratios", no_fit)
+    with pytest.raises(InfeasibleError, match="raise time_limit"):
+        loop.balance(space, cm, deadline=time.monotonic() - 1)

@@ -67,7 +67,9 @@ def balance(
     ``deadline``: a :func:`time.monotonic` value, one for every search of every round (and of the
     memory price's bisection): once it passes, each program search returns the best program it has
     (:func:`~hapc.synth.synthesizer.synthesize_program`) and no further round starts; off by
-    default. Memory retries still run past it (each then gets the fallback program at once)."""
+    default. A program that fits no ratios' memory once it passed raises :class:`InfeasibleError`
+    naming the time limit (a memory retry would only get the fallback program, which holds
+    everything whole)."""
     th = space.theory
     ratios = initial or model.proportional_ratios()
     best: Balanced | None = None
@@ -91,8 +93,14 @@ def balance(
         else:
             try:
                 lp = solve_ratios(model, costs, memory=memory, solver=solver)
-            except InfeasibleError:
+            except InfeasibleError as exc:
                 retries += 1
+                if deadline is not None and time.monotonic() > deadline:
+                    # a retry would only get the fallback program, which holds everything whole
+                    raise InfeasibleError(
+                        f"no program found within the time limit fits the devices' memory ({exc}); raise "
+                        "time_limit (or leave it unset) so the search can price memory and find one that fits"
+                    ) from exc
                 if not memory or retries > 8:
                     _check_memory(model, costs, ratios)
                     raise
