@@ -304,6 +304,76 @@ def test_a_forward_taking_kwargs_is_traced_by_fx_with_its_named_inputs(cls):
     torch.testing.assert_close(got, model(x, labels=labels), rtol=1e-12, atol=0)
 
 
+@torch.jit.script
+def _scaled_square(x: torch.Tensor, k: float) -> torch.Tensor:
+    return (x * k).square()
+
+
+class _ScriptedHelper(nn.Module):
+    """Calls a ``@torch.jit.script`` function by its global name, as DeBERTa-v2 does."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _scaled_square(self.lin(x), 0.5).mean()
+
+
+class _FreshActivation(nn.Module):
+    """Builds its activation module in forward, as Hugging Face's ``ACT2FN[name](x)`` does."""
+
+    def __init__(self, fresh: type = nn.GELU):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.fresh = fresh
+
+    def forward(self, x):
+        h = self.lin(x)
+        return (self.fresh()(h) if self.fresh is nn.GELU else self.fresh(4, 4)(h)).square().mean()
+
+
+class _Out(dict):
+    """A dict subclass returned by forward (like Hugging Face's ``ModelOutput``)."""
+
+
+class _ReturnsOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x, y):
+        logits = self.lin(x)
+        return _Out(loss=F.cross_entropy(logits, y), parts=(_Out(logits=logits), logits.sum(0)))
+
+
+def test_fx_traces_scripted_functions_and_modules_made_in_forward():
+    """A ScriptFunction takes no proxies: fx traces its Python original (restored afterwards). A
+    module made during forward has no name in the model: its forward is traced inline."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    for model in (_ScriptedHelper().double(), _FreshActivation().double()):
+        g = hapc.trace(model, (x,), capture="fx")
+        torch.testing.assert_close(g.evaluate({"x": x})[g.loss.index], model(x), rtol=1e-12, atol=0)
+    assert isinstance(_scaled_square, torch.jit.ScriptFunction)  # the module's global is put back
+    assert "gelu" in {n.op for n in hapc.trace(_FreshActivation().double(), (x,), capture="fx")}
+    with pytest.raises(TraceError, match="not a submodule of the model but holds parameters"):
+        hapc.trace(_FreshActivation(nn.Linear).double(), (x,), capture="fx")
+
+
+def test_fx_keeps_the_types_of_returned_dicts():
+    """fx turns every dict it records into a plain dict; the compiled module must still return the
+    model's own ModelOutput-like type (issue: BERT captured by fx came back as a dict)."""
+    from hapc.theory.capture import rebuild_output
+
+    torch.manual_seed(0)
+    model = _ReturnsOut().double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1])
+    g = hapc.trace(model, (x, y), capture="fx")
+    out = rebuild_output(g.output_spec, list(range(len(g.outputs))))
+    assert type(out) is _Out and type(out["parts"][0]) is _Out and set(out) == {"loss", "parts"}
+
+
 class _ItemAssignment(nn.Module):
     def __init__(self):
         super().__init__()

@@ -155,6 +155,16 @@ def _named_root(root_fn: Any) -> Any:
     return scope[inner.__name__]
 
 
+def _dict_types(a: Any) -> Any:
+    """The types of the dicts in a nested value, in its shape: ``(type, {key: ...})`` for a dict,
+    a list of the elements' for a tuple or list, None elsewhere."""
+    if isinstance(a, dict):
+        return (type(a), {k: _dict_types(v) for k, v in a.items()})
+    if isinstance(a, (tuple, list)):
+        return [_dict_types(v) for v in a]
+    return None
+
+
 class _Tracer(fx.Tracer):
     def __init__(self, leaves: tuple[type, ...], registry: Registry, example_inputs: Any):
         autowrap = (*registry.custom_functions.values(), *_library_leaves())
@@ -172,6 +182,23 @@ class _Tracer(fx.Tracer):
         self._placeholders = 0
         self.device = _example_device(example_inputs)
         self.memo = MetaMemo()  # the layers' repeated meta evaluations, computed once (plain_meta)
+        self._arg_depth = 0
+        self.output_types: Any = None
+
+    def create_arg(self, a: Any) -> Any:
+        """fx's conversion of a node's (or the output's) arguments, which turns every dict into a
+        plain ``dict``: the types of the dicts (Hugging Face's ``ModelOutput`` subclasses) of the
+        last top-level call -- the output's, when the trace ends -- are kept in ``output_types``
+        (:func:`_dict_types`) so the compiled module returns what the model does."""
+        top = self._arg_depth == 0
+        self._arg_depth += 1
+        try:
+            out = super().create_arg(a)
+        finally:
+            self._arg_depth -= 1
+        if top:
+            self.output_types = _dict_types(a)
+        return out
 
     def create_args_for_root(self, root_fn: Any, is_module: bool, concrete_args: Any = None) -> Any:
         """A root whose forward takes ``**kwargs`` (Hugging Face's ``forward(self, pixel_values,
@@ -182,6 +209,22 @@ class _Tracer(fx.Tracer):
         binding a proxy or ``None`` to the wrapper's own ``**kwargs``."""
         shim = _named_root(root_fn)
         return super().create_args_for_root(shim or root_fn, is_module, concrete_args)
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        """A module made during the forward and called at once (Hugging Face's
+        ``ACT2FN[config.hidden_act](x)`` builds a fresh activation module: DeBERTa's pooler) is no
+        submodule of the model, so it has no name to call it by: its forward is traced inline. One
+        holding parameters or buffers is refused (they would be constants of the capture)."""
+        try:
+            self.path_of_module(m)
+        except NameError:
+            if next(m.parameters(), None) is not None or next(m.buffers(), None) is not None:
+                raise TraceError(
+                    f"forward calls a {type(m).__name__} that is not a submodule of the model but holds parameters "
+                    "or buffers (made during the forward?): create it in __init__ so that it is trained and saved"
+                ) from None
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         # the user's leaves and the modules with a functional form stay whole; every other module,
@@ -475,6 +518,33 @@ def _needs_grad(a: Any) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def _scripted_functions_as_python(model: nn.Module) -> Any:
+    """While fx traces, the ``@torch.jit.script`` functions the model's modules call by global name
+    (DeBERTa-v2's ``scaled_size_sqrt``, ``build_rpos``, ...) are their Python originals: a
+    ``ScriptFunction`` takes no proxies (``Expected a value of type 'Tensor' ... found '_Proxy'``).
+    The original is the one TorchScript compiled (``_torchdynamo_inline``, which dynamo inlines the
+    same way), so the graph computes what the scripted call does. The modules' globals are restored
+    afterwards."""
+    swapped: list[tuple[dict[str, Any], str, Any]] = []
+    seen: set[int] = set()
+    for m in model.modules():
+        space = getattr(type(m).forward, "__globals__", None)
+        if space is None or id(space) in seen:
+            continue
+        seen.add(id(space))
+        for name, value in list(space.items()):
+            python = getattr(value, "_torchdynamo_inline", None)
+            if isinstance(value, torch.jit.ScriptFunction) and callable(python):
+                swapped.append((space, name, value))
+                space[name] = python
+    try:
+        yield
+    finally:
+        for space, name, value in swapped:
+            space[name] = value
+
+
 def _trace_fx(model: nn.Module, example_inputs: Any, leaf_modules: Sequence[type], registry: Registry,
               loss: str | int | None) -> RefGraph:  # fmt: skip
     tracer = _Tracer(tuple(leaf_modules), registry, example_inputs)
@@ -489,7 +559,7 @@ def _trace_fx(model: nn.Module, example_inputs: Any, leaf_modules: Sequence[type
 
     with _meta_kernels_without_dynamo():
         try:
-            with checkpoint_regions(enter), CaptureDraws(tracer, _where):
+            with checkpoint_regions(enter), CaptureDraws(tracer, _where), _scripted_functions_as_python(model):
                 graph = tracer.trace(model, concrete_args=_none_inputs(model, example_inputs))
         except TraceError as exc:
             raise TraceError(f"cannot trace {type(model).__name__}: {exc}") from exc
@@ -498,7 +568,7 @@ def _trace_fx(model: nn.Module, example_inputs: Any, leaf_modules: Sequence[type
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         normalise_modules(gm)
         values, flops = _propagate(gm, model, example_inputs, tracer.memo)
-    return _Builder(gm, model, values, flops, loss=loss).run(capture="fx")
+    return _Builder(gm, model, values, flops, loss=loss, output_types=tracer.output_types).run(capture="fx")
 
 
 def _trace_export(model: nn.Module, example_inputs: Any, loss: str | int | None) -> RefGraph:
@@ -849,10 +919,11 @@ _MEAN_LOSSES = {"cross_entropy", "nll_loss", "mse_loss"}
 class _Builder:
     def __init__(
         self, gm: fx.GraphModule, model: nn.Module, values: dict, flops: dict, *, loss: Any = None,
-        output_spec: Any = None,
+        output_spec: Any = None, output_types: Any = None,
     ):  # fmt: skip
         self.gm, self.model, self.values, self.flops = gm, model, values, flops
         self.loss_choice, self.output_spec = loss, output_spec
+        self.output_types = output_types  # fx: the returned dicts' types (_Tracer.create_arg)
         self.nodes: list[RefNode] = []
         self.env: dict[fx.Node, Any] = {}  # fx node -> Ref / tuple of Refs / constant
         self.elements: dict[tuple[fx.Node, int], Ref] = {}
@@ -1111,7 +1182,7 @@ class _Builder:
             spec = self.output_spec
             leaves = [r if isinstance(r, Ref) else None for r in out]
         else:
-            spec = _ref_structure(out, leaves)
+            spec = _ref_structure(out, leaves, self.output_types)
         index = self._loss_leaf(spec, leaves)
         out = leaves[index]
         loss = self.nodes[out.index]
@@ -1169,20 +1240,25 @@ class _Builder:
         )
 
 
-def _ref_structure(out: Any, leaves: list[Ref | None]) -> Any:
-    """The fx output value with every Ref replaced by its Leaf index (see ``capture.output_structure``)."""
+def _ref_structure(out: Any, leaves: list[Ref | None], types: Any = None) -> Any:
+    """The fx output value with every Ref replaced by its Leaf index (see ``capture.output_structure``);
+    ``types``: the dicts' types as the model returned them (:func:`_dict_types`; fx made them plain)."""
     from .capture import Leaf
 
     if isinstance(out, Ref):
         leaves.append(out)
         return Leaf(len(leaves) - 1)
     if isinstance(out, dict):
-        return {"__type__": type(out), "items": {k: _ref_structure(v, leaves) for k, v in out.items()}}
+        kind, sub = types if isinstance(types, tuple) and len(types) == 2 else (type(out), {})
+        kind = kind if isinstance(kind, type) and issubclass(kind, dict) else type(out)
+        items = {k: _ref_structure(v, leaves, sub.get(k)) for k, v in out.items()}
+        return {"__type__": kind, "items": items}
+    if not isinstance(out, (tuple, list)):
+        return out if out is None or isinstance(out, (int, float, bool, str)) else None
+    sub = types if isinstance(types, list) and len(types) == len(out) else [None] * len(out)
     if isinstance(out, tuple) and hasattr(out, "_fields"):
-        return type(out)(*(_ref_structure(v, leaves) for v in out))
-    if isinstance(out, (tuple, list)):
-        return type(out)(_ref_structure(v, leaves) for v in out)
-    return out if out is None or isinstance(out, (int, float, bool, str)) else None
+        return type(out)(*(_ref_structure(v, leaves, t) for v, t in zip(out, sub)))
+    return type(out)(_ref_structure(v, leaves, t) for v, t in zip(out, sub))
 
 
 _VIEW_METHODS = {"view", "reshape", "transpose", "permute", "t", "unsqueeze", "squeeze", "flatten", "narrow",
