@@ -62,3 +62,8 @@ class DistributedRunError(HapcError):
 
 class UnsupportedOpWarning(UserWarning):
     """An op without a rule is replicated on every device (pass ``strict=True`` to make it an error)."""
+
+
+class DroppedOutputWarning(UserWarning):
+    """A tensor the model returns is not computed by hapc's program (the loss does not depend on
+    it), so the compiled module returns ``None`` in its place."""

@@ -102,6 +102,43 @@ def test_the_other_modes_capture_leaves_nothing_on_the_model():
         assert "computes something else in eval mode" in text
 
 
+class PairLogits(nn.Module):
+    """CLIP's shape: the loss reads ``logits``; the model also returns their transpose, which no
+    loss term reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 4)
+
+    def forward(self, x, y):
+        logits = self.lin(x)
+        return {"loss": F.cross_entropy(logits, y), "logits": logits, "logits_t": logits.t()}
+
+
+def _dropped(rank: int, world: int, capture: str) -> tuple[list[str], bool, bool]:
+    import warnings
+
+    torch.manual_seed(0)
+    model = PairLogits().double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.arange(8) % 4
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        module = hapc.compile(model, "local-cpu:2", (x, y), capture=capture)
+    out = module(x, y)
+    texts = [str(w.message) for w in seen if issubclass(w.category, hapc.errors.DroppedOutputWarning)]
+    return texts, out["logits_t"] is None, torch.equal(out["logits"], model.lin(x))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_a_returned_tensor_the_loss_does_not_read_is_warned_of(capture):
+    """The program computes what the loss depends on: a returned tensor outside it comes back as
+    None, and rank 0 says so at compile time, naming where it sits in the output."""
+    (texts0, none0, logits0), (texts1, none1, logits1) = run_distributed(_dropped, 2, capture)
+    assert none0 and none1 and logits0 and logits1
+    assert len(texts0) == 1 and "['logits_t']" in texts0[0] and "returns None there" in texts0[0]
+    assert texts1 == []  # rank 0 alone
+
+
 class Counter(nn.Module):
     def __init__(self):
         super().__init__()

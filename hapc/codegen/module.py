@@ -158,6 +158,8 @@ class CompiledModule(nn.Module):
         # another batch size runs a replicated step (hapc.codegen.odd_batch)
         self._batch_mode: str | None = None
         self._outputs = outputs
+        if outputs != "loss" and self.rank == 0:
+            _warn_dropped_outputs(theory.graph)
         self._odd = OddBatches(self) if not elsewhere else None
         # inputs the plan takes whole: every rank must be given the same value (checked every step
         # in the loss all-reduce on gloo; on the first call on the eager path); not a pipeline
@@ -1039,6 +1041,31 @@ def _sharded_input_dims(plan: Plan) -> dict[int, set[int]]:
         if isinstance(ins, Source) and ins.layout.is_sharded:
             sharded.setdefault(ins.ref, set()).add(ins.layout.dim)
     return sharded
+
+
+def _warn_dropped_outputs(graph: Any) -> None:
+    """Warn of returned tensors the program does not compute: the capture keeps what the loss
+    depends on, so a tensor the model returns beside it (CLIP's ``logits_per_image``, the
+    transpose of the ``logits_per_text`` its loss reads) comes back as ``None``."""
+    import warnings
+
+    from ..errors import DroppedOutputWarning
+    from ..theory.capture import leaf_paths
+
+    spec = graph.output_spec
+    if spec is None or not graph.outputs:
+        return
+    paths = leaf_paths(spec)
+    dropped = [paths.get(k, f"[{k}]") for k, r in enumerate(graph.outputs) if r is None and k != graph.loss_leaf]
+    if dropped:
+        warnings.warn(
+            f"the model returns {', '.join(dropped)} but its loss does not depend on "
+            f"{'it' if len(dropped) == 1 else 'them'}: hapc's program computes what the loss needs, so the "
+            "compiled module returns None there. Compute such tensors from the ones it returns (e.g. a "
+            "transpose), or on one device for evaluation",
+            DroppedOutputWarning,
+            stacklevel=3,
+        )
 
 
 def _check_inputs(inputs: list[Any], sharded: dict[int, set[int]], bound: dict[str, Any]) -> None:

@@ -132,6 +132,21 @@ def rebuild_output(spec: Any, leaves: list[Any]) -> Any:
     return spec
 
 
+def leaf_paths(spec: Any, at: str = "") -> dict[int, str]:
+    """Where each :class:`Leaf` of an output structure sits, as Python would index it
+    (``["logits_per_image"]``, ``[1]``), by leaf index."""
+    if isinstance(spec, Leaf):
+        return {int(spec): at or "the output"}
+    out: dict[int, str] = {}
+    if isinstance(spec, dict) and "__type__" in spec:
+        for k, v in spec["items"].items():
+            out.update(leaf_paths(v, f"{at}[{k!r}]"))
+    elif isinstance(spec, (tuple, list)):
+        for i, v in enumerate(spec):
+            out.update(leaf_paths(v, f"{at}[{i}]"))
+    return out
+
+
 def bind_keywords(model: nn.Module, example_inputs: Any) -> tuple[dict[str, Any], list[str]]:
     """Example inputs as ``{forward parameter name: value}`` and the names given positionally."""
     if isinstance(example_inputs, dict):
