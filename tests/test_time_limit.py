@@ -178,3 +178,24 @@ def test_out_of_time_and_memory_says_raise_the_limit(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(loop, "solve_ratios", no_fit)
     with pytest.raises(InfeasibleError, match="raise time_limit"):
         loop.balance(space, cm, deadline=time.monotonic() - 1)
+
+
+def test_a_segment_search_stops_at_the_deadline_and_caches_nothing() -> None:
+    """The clock is read inside each segment's A* (one segment can explode on its own: tiny Swin's
+    first has 4556 triples), and a search cut short leaves no partial answer in the caches."""
+    from hapc.cluster import Cluster
+    from hapc.synth import synthesizer
+    from hapc.synth.cost import CostModel
+
+    model, batch = _build()
+    theory = hapc.derive(hapc.trace(model, batch))
+    cm = CostModel(Cluster.load("local-cpu:2"))
+    space = synthesizer.SynthSpace(theory, cm.m, "node", synthesizer.shardable_triples(theory, cm.m))
+    run = synthesizer._Synth(space, cm, cm.proportional_ratios(), None)
+    seg = max(space.segments, key=lambda s: len(s.triples))
+    run.deadline = time.monotonic() - 1
+    with pytest.raises(synthesizer.OutOfTime):
+        run.segment_exits(seg, 0, 0)
+    assert not run.seg_cache and not run.exit_cache
+    run.deadline = None
+    assert run.segment_exits(seg, 0, 0) is not None and run.seg_cache
