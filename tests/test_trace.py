@@ -361,6 +361,29 @@ def test_fx_traces_scripted_functions_and_modules_made_in_forward():
         hapc.trace(_FreshActivation(nn.Linear).double(), (x,), capture="fx")
 
 
+class _FollowsDevice(nn.Module):
+    """Moves its labels to the logits' device, as Hugging Face's losses do."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x, labels):
+        logits = self.lin(x)
+        return F.cross_entropy(logits, labels.to(logits.device))
+
+
+def test_fx_follows_a_device_read_from_a_tensor():
+    """``labels.to(logits.device)``: the device folds to the example's, while shapes are computed on
+    meta tensors (``Cannot copy out of meta tensor`` stopped every HF vision model's fx capture)."""
+    torch.manual_seed(0)
+    model = _FollowsDevice().double()
+    x, labels = torch.randn(5, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1])
+    g = hapc.trace(model, (x, labels), capture="fx")
+    got = g.evaluate({"x": x, "labels": labels})[g.loss.index]
+    torch.testing.assert_close(got, model(x, labels), rtol=1e-12, atol=0)
+
+
 def test_fx_keeps_the_types_of_returned_dicts():
     """fx turns every dict it records into a plain dict; the compiled module must still return the
     model's own ModelOutput-like type (issue: BERT captured by fx came back as a dict)."""

@@ -818,6 +818,14 @@ def _bind_inputs(gm: fx.GraphModule, example_inputs: Any) -> dict[str, Any]:
     return bound
 
 
+def _on_meta(a: Any) -> Any:
+    """``a`` with every ``torch.device`` replaced by ``meta`` (see :func:`_propagate`)."""
+    return fx.node.map_aggregate(a, lambda v: _META if isinstance(v, torch.device) else v)
+
+
+_META = torch.device("meta")
+
+
 def _propagate(
     gm: fx.GraphModule, model: nn.Module, example_inputs: Any, memo: MetaMemo | None = None
 ) -> tuple[dict, dict]:
@@ -840,7 +848,9 @@ def _propagate(
                 elif node.op == "output":
                     env[node] = load(node.args[0])
                 else:
-                    args, kwargs = load(node.args), load(node.kwargs)
+                    # every value is on meta here: a device the model read from a tensor
+                    # (``labels.to(logits.device)``, folded to the example's device) means meta too
+                    args, kwargs = _on_meta(load(node.args)), _on_meta(load(node.kwargs))
                     if node.meta.get("hapc_val", _MISSING) is not _MISSING:
                         out = node.meta["hapc_val"]  # computed while tracing
                     elif node.op == "call_function":
