@@ -42,11 +42,14 @@ import numpy as np
 from ..cluster import Cluster, Group
 from ..errors import HapcError
 from ..synth.cost import CostModel
-from ..synth.synthesizer import SynthSpace, synthesize_program
+from ..synth.synthesizer import SynthResult, SynthSpace, fallback_program, replicated_triples, synthesize_program
 from ..theory.instructions import Compute
 from ..theory.props import DONE, Prop
 from ..theory.triples import Theory
 from .layers import Layer
+
+#: price a one-device sub-mesh by its all-replicated program, without a search (see layer_costs)
+ONE_DEVICE_SHORTCUT = True
 
 
 def submesh_sizes(group: Group) -> list[int]:
@@ -186,19 +189,9 @@ class StageCoster:
             self._spaces[allowed] = SynthSpace(self.theory, m, "node", set(allowed))
         return self._spaces[allowed]
 
-    def layer_costs(self, group: str, size: int) -> LayerCosts:
-        """Synthesize the model on ``size`` devices of ``group`` (once per :func:`model_key`) and split
-        it by layer. Sub-meshes whose cost models price alike share one synthesis: e.g. 8 devices
-        over 2 hosts of 4 and over 4 hosts of 2 (both rings cross the inter-host link), or equal
-        device types in two groups."""
-        model = CostModel(sub_cluster(self.cluster, group, size), memory_factor=self.memory_factor)
-        key = model_key(model)
-        if key in self._costs:
-            return self._costs[key]
-        space = self._space(model.m)
-        ratios = model.even_ratios()
-        result = synthesize_program(space, model, ratios)
-        self.syntheses += 1
+    def _split(self, space: SynthSpace, result: SynthResult, model: CostModel, ratios: tuple) -> dict[str, np.ndarray]:
+        """Per-layer costs of ``result`` (a program of ``space``): each segment's triples priced by
+        :meth:`~hapc.synth.cost.CostModel.breakdown` and added to its layer."""
         L = len(self.layers)
         out = {k: np.zeros(L) for k in ("fwd", "bwd", "sync", "mem_param", "mem_act")}
         th = self.theory.triples
@@ -228,6 +221,32 @@ class StageCoster:
             out["sync"][li] += s
             out["mem_param"][li] += mp
             out["mem_act"][li] += ma
+        return out
+
+    def layer_costs(self, group: str, size: int) -> LayerCosts:
+        """Synthesize the model on ``size`` devices of ``group`` (once per :func:`model_key`) and split
+        it by layer. Sub-meshes whose cost models price alike share one synthesis: e.g. 8 devices
+        over 2 hosts of 4 and over 4 hosts of 2 (both rings cross the inter-host link), or equal
+        device types in two groups."""
+        model = CostModel(sub_cluster(self.cluster, group, size), memory_factor=self.memory_factor)
+        key = model_key(model)
+        if key in self._costs:
+            return self._costs[key]
+        space = self._space(model.m)
+        ratios = model.even_ratios()
+        result = None
+        if model.m == 1 and ONE_DEVICE_SHORTCUT:
+            # one device: the all-replicated program is optimal (no collective, each op once at full
+            # size, nothing a layout could save), so price it without a search; its segments are the
+            # restricted space's (the same nodes). tests/test_stagecost_one_device.py pins this equal,
+            # bit for bit, to the synthesized optimum's layer costs.
+            result = fallback_program(space, model, ratios)
+            if result is not None:
+                space = space.restricted(space.allowed & replicated_triples(self.theory))
+        if result is None:
+            result = synthesize_program(space, model, ratios)
+        self.syntheses += 1  # sub-mesh kinds priced
+        out = self._split(space, result, model, ratios)
         lc = LayerCosts(**out, program_time=result.cost)
         self._costs[key] = lc
         return lc

@@ -1,0 +1,73 @@
+"""A one-device sub-mesh's stage costs come from its all-replicated program, without a search.
+
+:meth:`hapc.pipeline.stagecost.StageCoster.layer_costs` prices a sub-mesh of one device by the
+all-replicated program (:func:`hapc.synth.synthesizer.fallback_program`): on one device no layout
+saves anything (no collective, every op computed once at full size). The pipeline planner reads
+only the per-layer columns, so the shortcut must give exactly (bit for bit) the columns of the
+synthesized optimum -- times and memory -- on every model; the whole program's time agrees to
+rounding (its sum runs in another order).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import hapc.pipeline.stagecost as stagecost
+from hapc import models
+from hapc.cluster import Cluster
+from hapc.pipeline.layers import build_layers
+from hapc.pipeline.stagecost import StageCoster
+from hapc.theory import derive, trace
+
+FIELDS = ("fwd", "bwd", "sync", "mem_param", "mem_act")
+#: the planner's theory options (hapc.planner.choose_plan)
+OPTIONS = {"sfb": True, "variants": ("padded", "grouped"), "param_comm": False, "strict": False}
+
+
+def hosts() -> Cluster:
+    """Two groups of differing devices, one with a memory bandwidth and a per-op overhead."""
+    return Cluster.from_dict(
+        {
+            "name": "two-kinds",
+            "group": [
+                {"name": "big", "devices": 4, "devices_per_host": 2, "flops": "20 TFLOPS", "memory": "8 GiB",
+                 "mem_bandwidth": "900 GB/s", "op_overhead": "5 us"},
+                {"name": "small", "devices": 4, "devices_per_host": 4, "flops": "5 TFLOPS", "memory": "4 GiB"},
+            ],
+            "links": {
+                "intra_host": {"bandwidth": "10 GB/s", "latency": "20 us"},
+                "inter_host": {"bandwidth": "100 MB/s", "latency": "100 us"},
+            },
+        }
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, cluster, memory_factor",
+    [
+        ("gpt", {"batch": 4}, "hap-testbed:16", 4.0),
+        ("bert", {"batch": 4}, "hap-testbed:16", 4.0),
+        ("moe", {"batch": 4}, "hap-testbed:16", 2.0),
+        ("cnn", {"batch": 4}, "two-kinds", 4.0),
+        ("vit", {"batch": 8, "layers": 2}, "two-kinds", 4.0),
+    ],
+)
+def test_one_device_costs_equal_the_synthesized_optimum(monkeypatch, name, kwargs, cluster, memory_factor):
+    model, inputs = models.load(name, **kwargs)
+    theory = derive(trace(model, inputs), **OPTIONS)
+    layers = build_layers(theory.graph)
+    cl = hosts() if cluster == "two-kinds" else Cluster.load(cluster)
+    # two devices: the shortcut must not apply there (the replicated program pays the gradient
+    # all-reduce and runs the whole batch on each device: not the optimum)
+    for group, size in [(g, n) for g in cl.groups for n in (1, 2)]:
+        got = {}
+        for shortcut in (True, False):
+            monkeypatch.setattr(stagecost, "ONE_DEVICE_SHORTCUT", shortcut)
+            coster = StageCoster(theory, layers, cl, memory_factor=memory_factor)
+            got[shortcut] = coster.layer_costs(group.name, size)
+        fast, searched = got[True], got[False]
+        for k in FIELDS:
+            assert np.array_equal(getattr(fast, k), getattr(searched, k)), (group.name, size, k)
+        assert fast.mem_act.sum() > 0 and fast.fwd.sum() > 0
+        assert fast.program_time == pytest.approx(searched.program_time, rel=1e-12)
