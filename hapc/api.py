@@ -61,6 +61,9 @@ def synthesize(
             When they run out, the best program found so far is used and the plan says so:
             ``plan.predicted["proven_optimal"]`` is False and ``plan.predicted["optimality_gap"]``
             bounds how far above the optimum it may be (see :mod:`hapc.synth.synthesizer`).
+            Every search stops at it; where none completed a program, the all-replicated one is
+            used. :func:`compile` may spend about twice it: the pipeline kind is priced under a
+            budget of its own.
     """
     from .theory import derive, trace
 
