@@ -5,10 +5,13 @@ all-replicated program (:func:`hapc.synth.synthesizer.fallback_program`): on one
 saves anything (no collective, every op computed once at full size). The pipeline planner reads
 only the per-layer columns, so the shortcut must give exactly (bit for bit) the columns of the
 synthesized optimum -- times and memory -- on every model; the whole program's time agrees to
-rounding (its sum runs in another order).
+rounding (its sum runs in another order). Stage costs also synthesize without the data-parallel
+incumbent outside a time limit (it only bounds the exact passes): the same columns, bit for bit.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
@@ -18,6 +21,7 @@ from hapc import models
 from hapc.cluster import Cluster
 from hapc.pipeline.layers import build_layers
 from hapc.pipeline.stagecost import StageCoster
+from hapc.synth.synthesizer import searches_until, synthesize_program
 from hapc.theory import derive, trace
 
 FIELDS = ("fwd", "bwd", "sync", "mem_param", "mem_act")
@@ -71,3 +75,41 @@ def test_one_device_costs_equal_the_synthesized_optimum(monkeypatch, name, kwarg
             assert np.array_equal(getattr(fast, k), getattr(searched, k)), (group.name, size, k)
         assert fast.mem_act.sum() > 0 and fast.fwd.sum() > 0
         assert fast.program_time == pytest.approx(searched.program_time, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["gpt", "bert"])
+def test_stage_costs_without_the_incumbent_equal_those_with_it(monkeypatch, name):
+    """Stage costs synthesize without the data-parallel incumbent (outside a time limit): it only
+    bounds the exact passes, so every sub-mesh's columns are those found with it, bit for bit."""
+    model, inputs = models.load(name, batch=8)
+    theory = derive(trace(model, inputs), **OPTIONS)
+    layers = build_layers(theory.graph)
+    cl = Cluster.load("hap-testbed:16")  # 2 hosts of 8 V100: sub-meshes of 2, 4, 8 (NVLink), 16 (10.4 Gbps)
+    got = {}
+    for incumbent in (True, False):
+        monkeypatch.setattr(stagecost, "INCUMBENT", incumbent)
+        coster = StageCoster(theory, layers, cl)
+        got[incumbent] = [coster.layer_costs("v100", n) for n in (2, 4, 8, 16)]
+    for n, a, b in zip((2, 4, 8, 16), got[True], got[False]):
+        assert a.program_time == b.program_time, n
+        for k in FIELDS:
+            assert np.array_equal(getattr(a, k), getattr(b, k)), (n, k)
+
+
+def test_stage_costs_keep_the_incumbent_under_a_time_limit(monkeypatch):
+    """Under a deadline the incumbent bounds what an unfinished search returns: it stays on."""
+    asked = []
+
+    def spy(*args, incumbent=True, **kwargs):
+        asked.append(incumbent)
+        return synthesize_program(*args, incumbent=incumbent, **kwargs)
+
+    monkeypatch.setattr(stagecost, "synthesize_program", spy)
+    model, inputs = models.load("mlp")
+    theory = derive(trace(model, inputs), **OPTIONS)
+    layers = build_layers(theory.graph)
+    cl = Cluster.load("hap-testbed:16")
+    StageCoster(theory, layers, cl).layer_costs("v100", 2)
+    with searches_until(time.monotonic() + 600):
+        StageCoster(theory, layers, cl).layer_costs("v100", 2)
+    assert asked == [False, True]

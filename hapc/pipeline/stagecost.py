@@ -42,7 +42,14 @@ import numpy as np
 from ..cluster import Cluster, Group
 from ..errors import HapcError
 from ..synth.cost import CostModel
-from ..synth.synthesizer import SynthResult, SynthSpace, fallback_program, replicated_triples, synthesize_program
+from ..synth.synthesizer import (
+    _SCOPED_DEADLINE,
+    SynthResult,
+    SynthSpace,
+    fallback_program,
+    replicated_triples,
+    synthesize_program,
+)
 from ..theory.instructions import Compute
 from ..theory.props import DONE, Prop
 from ..theory.triples import Theory
@@ -50,6 +57,8 @@ from .layers import Layer
 
 #: price a one-device sub-mesh by its all-replicated program, without a search (see layer_costs)
 ONE_DEVICE_SHORTCUT = True
+#: search the data-parallel incumbent in stage costs without a deadline too (see layer_costs)
+INCUMBENT = False
 
 
 def submesh_sizes(group: Group) -> list[int]:
@@ -244,7 +253,12 @@ class StageCoster:
             if result is not None:
                 space = space.restricted(space.allowed & replicated_triples(self.theory))
         if result is None:
-            result = synthesize_program(space, model, ratios)
+            # without a deadline the data-parallel incumbent only bounds the exact passes (the
+            # optimum is theirs either way) and, on these whole-model sub-mesh syntheses, costs more
+            # than it saves (ViT-24 on hap-testbed: 120 syntheses, 210 s with it, 176 s without, the
+            # same programs); under a time limit it bounds what the deadline returns, so it stays
+            incumbent = INCUMBENT or _SCOPED_DEADLINE.get() is not None
+            result = synthesize_program(space, model, ratios, incumbent=incumbent)
         self.syntheses += 1  # sub-mesh kinds priced
         out = self._split(space, result, model, ratios)
         lc = LayerCosts(**out, program_time=result.cost)
