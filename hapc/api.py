@@ -175,7 +175,7 @@ def compile(
     """
     import torch.distributed as dist
 
-    from .codegen.module import CompiledModule
+    from .codegen.module import CompiledModule, constant_inputs
     from .theory import derive, trace
 
     unknown = sorted(set(options) - set(SYNTH_OPTIONS) - set(THEORY_OPTIONS))
@@ -235,6 +235,7 @@ def compile(
         model, theory, plan, group=group, device=device, seed=seed, init=init, loss_sync=loss_sync, outputs=outputs
     )
     module._mode_branch = mode_branch
+    module._constant_inputs = constant_inputs(model, example_inputs, graph)
     module._trace_options = {"leaf_modules": tuple(leaf_modules)}  # an odd batch is traced again likewise
     guard(model, module)  # the model raises while stale: module.unwrap() writes the trained weights back
     return module

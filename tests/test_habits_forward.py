@@ -139,6 +139,47 @@ def test_a_returned_tensor_the_loss_does_not_read_is_warned_of(capture):
     assert texts1 == []  # rank 0 alone
 
 
+class OptionalMask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, mask=None, double=False):
+        y = self.lin(x)
+        if mask is not None:
+            y = y * mask
+        if double:
+            y = y * 2
+        return y.square().mean()
+
+
+def _calls_with_other_constants(rank: int, world: int) -> list[str]:
+    torch.manual_seed(0)
+    model = OptionalMask().double()
+    x, mask = torch.randn(6, 4, dtype=torch.float64), torch.rand(6, 4, dtype=torch.float64)
+    module = hapc.compile(model, "local-cpu:2", {"x": x})
+    want = float(model(x))
+    out = []
+    for kw in ({}, {"mask": None}, {"double": False}, {"mask": mask}, {"double": True}):
+        try:
+            got = float(module(x, **kw))
+            out.append("same" if abs(got - want) <= 1e-12 * abs(want) else f"differs {got} {want}")
+        except HapcError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_a_call_giving_a_constant_input_another_value_is_refused():
+    """An optional input left at None and a flag are constants of the capture: a call passing a mask
+    or the other flag ran the traced program and returned the unmasked loss -- silent divergence.
+    Now refused, naming the input and the fix; the traced values still run."""
+    for texts in run_distributed(_calls_with_other_constants, 2):
+        assert texts[:3] == ["same"] * 3
+        assert "input 'mask' is a tensor of shape (6, 4), but the plan was made with mask=None" in texts[3]
+        assert "input 'double' is True, but the plan was made with double=False" in texts[4]
+        assert "compile again" in texts[3] and "compile again" in texts[4]
+
+
 class Counter(nn.Module):
     def __init__(self):
         super().__init__()
