@@ -189,6 +189,18 @@ def levit(batch: int = 4) -> tuple[nn.Module, dict]:
     return t.LevitForImageClassification(cfg), dict(pixel_values=pixels, labels=torch.arange(batch) % 10)
 
 
+def swin_hf(batch: int = 4) -> tuple[nn.Module, dict]:
+    """Swin: shifted windows with relative-position-bias tables; its exact search runs for many
+    minutes even tiny (the bias chains and window masks in one segment), so it plans under a
+    ``time_limit`` (:data:`OPTIONS`)."""
+    t = _hf()
+    cfg = t.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4,
+                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0,
+                       num_labels=10)  # fmt: skip
+    pixels = torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    return t.SwinForImageClassification(cfg), dict(pixel_values=pixels, labels=torch.arange(batch) % 10)
+
+
 def _images(batch: int, size: int, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0))
     return x, torch.arange(batch) % classes
@@ -233,11 +245,16 @@ MODELS: dict[str, tuple[Callable[..., tuple[nn.Module, Any]], str]] = {
     "bart": (bart, "transformers"),
     "vit-hf": (vit_hf, "transformers"),
     "levit": (levit, "transformers"),
+    "swin-hf": (swin_hf, "transformers"),
     "tv-resnet": (tv_resnet, "torchvision"),
     "tv-vit": (tv_vit, "torchvision"),
     "tv-mobilenet": (tv_mobilenet, "torchvision"),
     "timm-vit": (timm_vit, "timm"),
 }
+
+
+#: compile options a model needs in every case (Swin's exact search runs for minutes: a time limit)
+OPTIONS: dict[str, dict[str, Any]] = {"swin-hf": {"time_limit": 10}}
 
 
 def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float64) -> tuple[nn.Module, Any]:
