@@ -199,3 +199,37 @@ def test_a_segment_search_stops_at_the_deadline_and_caches_nothing() -> None:
     assert not run.seg_cache and not run.exit_cache
     run.deadline = None
     assert run.segment_exits(seg, 0, 0) is not None and run.seg_cache
+
+
+def test_the_fallback_is_found_where_the_first_pass_dead_ends() -> None:
+    """Tiny HF BEiT: on its all-replicated space the first pass at beam 1 keeps a state after
+    segment 0 that cannot go on; the fallback then runs the plain DP of that space (one triple per
+    op). Before, it gave up, ``synthesize_program`` dropped the deadline to "never return without a
+    program", and ``time_limit=10`` planned past 150 s."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import realworld
+
+    from hapc.cluster import Cluster
+    from hapc.synth.cost import CostModel
+    from hapc.synth.synthesizer import SynthSpace, fallback_program, replicated_triples, shardable_triples
+
+    if not realworld.has("transformers"):
+        pytest.skip("transformers is not installed")
+    t = realworld._hf()
+    cfg = t.BeitConfig(image_size=32, patch_size=8, num_hidden_layers=1, hidden_size=32, num_attention_heads=4,
+                       intermediate_size=64, use_relative_position_bias=True, num_labels=10,
+                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    torch.manual_seed(0)
+    pixels = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    model = t.BeitForImageClassification(cfg).double()
+    theory = hapc.derive(hapc.trace(model, dict(pixel_values=pixels, labels=torch.arange(4))))
+    cost = CostModel(Cluster.load("local-cpu:2"))
+    space = SynthSpace(theory, cost.m, "node", shardable_triples(theory, cost.m))
+    result = fallback_program(space, cost, cost.even_ratios())
+    assert result is not None and not result.proven
+    chosen = {k for part in result.parts for k in part}
+    assert chosen and chosen <= replicated_triples(theory)
+    assert not any(isinstance(ins, Collective) for k in chosen for ins in theory.triples[k].instrs)

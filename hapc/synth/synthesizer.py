@@ -810,13 +810,17 @@ def fallback_program(space: SynthSpace, model: CostModel, ratios: Vec) -> SynthR
     (which reports its own lower bound as ``floor``; here it is 0: nothing is proven about
     ``space``'s optimum). None where ``space`` does not allow it (a baseline's restricted triples)."""
     sub = space.restricted(space.allowed & replicated_triples(space.theory))
-    run = _Synth(sub, model, ratios, None)
-    run.beam = 1
-    try:
-        found = run.solve()
-    except InfeasibleError:
-        return None
-    return _result(sub, run, found, [], False, 0.0)
+    # beam 1 can keep a dead end (tiny HF BEiT: the cheapest state after segment 0 cannot go on);
+    # the plain DP over this space (one triple per op) is small, and finds the program then
+    for beam in (1, 0):
+        run = _Synth(sub, model, ratios, None)
+        run.beam = beam
+        try:
+            found = run.solve()
+        except InfeasibleError:
+            continue
+        return _result(sub, run, found, [], False, 0.0)
+    return None
 
 
 def synthesize_program(
