@@ -241,6 +241,33 @@ class _OptionalMask(nn.Module):
         return y.square().mean()
 
 
+class _Flagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, double=False):
+        y = self.lin(x)
+        if double:  # a bool flag: a constant of the capture, as a None input is
+            y = y * 2
+        return y.square().mean()
+
+
+@pytest.mark.parametrize("given", [{}, {"double": False}, {"double": True}])
+def test_a_bool_flag_is_a_constant_of_the_capture(given):
+    """``if flag:`` on a bool parameter (HF's ``interpolate_pos_encoding``) stopped fx: the flag was a
+    placeholder. At its default it is a constant of the fx capture; another value is captured by
+    torch.export (fx checks a specialised value against the default). A call with another value
+    than the traced one is refused at run time (test_habits_forward)."""
+    torch.manual_seed(0)
+    model = _Flagged().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    g = hapc.trace(model, {"x": x, **given})
+    assert g.capture == ("export" if given.get("double") else "fx")
+    assert [n.name for n in g.inputs] == ["x"]
+    torch.testing.assert_close(g.evaluate({"x": x})[g.loss.index], model(x, **given), rtol=1e-12, atol=0)
+
+
 @pytest.mark.parametrize("capture", ["auto", "fx", "export"])
 @pytest.mark.parametrize("given", ["left out", "given as None", "given"])
 def test_optional_inputs_left_at_none_take_the_callers_branch(given, capture):

@@ -580,10 +580,10 @@ def _trace_export(model: nn.Module, example_inputs: Any, loss: str | int | None)
 
 
 def _none_inputs(model: nn.Module, example_inputs: Any) -> dict[str, Any] | None:
-    """Forward parameters that are ``None`` or a ``bool`` (given so, or left at such a default):
-    constants, so that ``if labels is not None:`` and ``if interpolate_pos_encoding:`` take the
-    branch the call takes. A call giving one another value is refused at run time
-    (``codegen.module._check_constant_inputs``)."""
+    """Forward parameters that are ``None`` (given so, or left at a ``None`` default), or a
+    ``bool`` at its default: constants, so that ``if labels is not None:`` and ``if
+    interpolate_pos_encoding:`` take the branch the call takes. A call giving one another value is
+    refused at run time (``codegen.module._check_constant_inputs``)."""
     import inspect
 
     from .capture import bind_keywords
@@ -598,7 +598,9 @@ def _none_inputs(model: nn.Module, example_inputs: Any) -> dict[str, Any] | None
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
         value = given[name] if name in given else p.default
-        if value is None or type(value) is bool:
+        # a bool at its default (fx checks a specialised value against the placeholder's default,
+        # so another value stays an input: fx stops at its `if`, and torch.export captures it)
+        if value is None or (type(value) is bool and value is p.default):
             out[name] = value
     return out or None
 
