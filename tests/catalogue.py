@@ -113,6 +113,21 @@ unary("clamp", lambda x: x.clamp(-0.5, 0.5))
 unary("clamp_min", lambda x: torch.clamp_min(x, 0.1))
 unary("clamp_max", lambda x: torch.clamp_max(x, 0.1))
 unary("dropout-eval", lambda x: F.dropout(x, 0.3, training=False))
+
+
+def _library_drops(a, b, c, gen):
+    """torchvision's StochasticDepth and timm's DropPath (fx leaves with rank-consistent rules:
+    hapc.theory.rules.random), in eval mode as dropout's case is: the identity."""
+    from realworld import import_torchvision
+
+    tv = import_torchvision()
+    import timm.layers.drop  # loaded before the trace: hapc keeps its drop_path whole then
+
+    mods = {"sd": tv.ops.StochasticDepth(0.3, "row").eval(), "dp": timm.layers.drop.DropPath(0.3).eval()}
+    return mods, (r(gen, a, b, c),)
+
+
+CASES.append(Case("stochastic_depth-eval", lambda m, x, y, z: m.dp(m.sd(x)) * x, _library_drops))
 unary("isnan", lambda x: torch.isnan(x))
 unary("isinf", lambda x: torch.isinf(x))
 unary("logical_not", lambda x: torch.logical_not(x > 0))

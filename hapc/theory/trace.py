@@ -121,10 +121,10 @@ def _library_leaves() -> tuple[Any, ...]:
 
 
 def _named_root(root_fn: Any) -> Any:
-    """A function with exactly the named parameters of a variadic forward (``**kwargs``, maybe
-    behind a wrapper), calling ``root_fn`` with them by keyword (None when the forward takes no
-    ``*args`` / ``**kwargs``): fx would give ``**kwargs`` a placeholder of its own, with no example
-    value. Its code is generated so that fx, which reads ``__code__``, sees the names::
+    """A function with exactly the named parameters of a forward taking ``**kwargs`` (maybe behind
+    a wrapper), calling ``root_fn`` with them by keyword (None when the forward takes no
+    ``**kwargs``, or takes ``*args``): fx would give ``**kwargs`` a placeholder of its own, with no
+    example value. Its code is generated so that fx, which reads ``__code__``, sees the names::
 
         def forward(self, pixel_values=None, labels=None):
             return _wrapped(self, pixel_values=pixel_values, labels=labels)
@@ -138,8 +138,10 @@ def _named_root(root_fn: Any) -> Any:
     sig = inspect.signature(inner)
     params = list(sig.parameters.values())
     variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    if not any(p.kind in variadic for p in params):
-        return None
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params) or any(
+        p.kind is inspect.Parameter.VAR_POSITIONAL for p in params
+    ):
+        return None  # no **kwargs, or *args too (a variadic forward is refused by name: _bind_inputs)
     named = [p for p in params if p.kind not in variadic]
     if any(p.kind is inspect.Parameter.POSITIONAL_ONLY for p in named[1:]) or not all(
         p.name.isidentifier() for p in named
