@@ -8,6 +8,7 @@ parent does the same on one device and compares everything.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -42,9 +43,9 @@ def train(module: Any, inputs: Any, first: float, steps: int, opt: str) -> tuple
     return losses, optimizer
 
 
-def sgd_steps(module: Any, inputs: Any, steps: int = 2, lr: float = 0.1) -> list[float]:
-    """``steps`` plain-SGD steps on one batch (a fresh optimizer), the loss of each."""
-    optimizer = torch.optim.SGD(module.parameters(), lr=lr)
+def sgd_steps(module: Any, inputs: Any, steps: int = 2, lr: float = 0.1, momentum: float = 0.0) -> list[float]:
+    """``steps`` SGD steps on one batch (a fresh optimizer), the loss of each."""
+    optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=momentum)
     losses = []
     for _ in range(steps):
         optimizer.zero_grad()
@@ -156,3 +157,18 @@ def two_groups(name: str = "two-groups") -> Any:
             },
         }
     )
+
+
+def strategy_results(theory: Any, node: Any, values: dict, ratios: Any) -> Iterator[tuple[Any, torch.Tensor]]:
+    """Each strategy of ``node`` run per device by the simulator at ``ratios`` (3 devices) and
+    combined into the whole result: ``(strategy, result)`` in the theory's order (replicate first)."""
+    from hapc.theory import simulate
+
+    ctx = simulate.SimContext(theory, node, ratios)
+    ops = [values[o].detach() for o in node.operands]
+    for s in theory.strategies[node.index]:
+        parts = [
+            simulate.instances(v, lay, simulate.split_sizes(theory, o, lay, ratios), 3)
+            for v, lay, o in zip(ops, s.inputs, node.operands)
+        ]
+        yield s, simulate.combine(simulate.run_compute(ctx, s, parts), s.output)

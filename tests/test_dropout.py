@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import strategy_results
 from torch import nn
 
 import hapc
 import hapc.ops as hops
 from hapc.errors import DistributedRunError, HapcError
 from hapc.testing import cluster_of, run_distributed
-from hapc.theory import simulate
 from hapc.theory.instructions import Compute
 from hapc.theory.trace import trace
 from hapc.theory.triples import derive
@@ -255,15 +255,8 @@ def test_every_strategy_of_the_rules_draws_the_whole_tensors_mask() -> None:
     for n in theory.graph:
         if n.op not in ("dropout", "scaled_dot_product_attention"):
             continue
-        ctx = simulate.SimContext(theory, n, ratios)
-        ops = [values[o].detach() for o in n.operands]
         reference = None
-        for s in theory.strategies[n.index]:
-            parts = [
-                simulate.instances(v, lay, simulate.split_sizes(theory, o, lay, ratios), 3)
-                for v, lay, o in zip(ops, s.inputs, n.operands)
-            ]
-            got = simulate.combine(simulate.run_compute(ctx, s, parts), s.output)
+        for s, got in strategy_results(theory, n, values, ratios):
             if reference is None:
                 assert s.name == "replicate"
                 reference = got

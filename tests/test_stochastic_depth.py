@@ -21,14 +21,13 @@ import pytest
 import realworld
 import torch
 import torch.nn.functional as F
-from harness import assert_close, sgd_steps
+from harness import assert_close, sgd_steps, strategy_results
 from torch import nn
 
 import hapc
 import hapc.ops as hops
 from hapc.errors import HapcError
 from hapc.testing import cluster_of, run_distributed
-from hapc.theory import simulate
 from hapc.theory.instructions import Compute
 from hapc.theory.trace import trace
 from hapc.theory.triples import derive
@@ -167,19 +166,12 @@ def test_every_strategy_of_the_rule_computes_the_replicated_draw(mode: str) -> N
     for n in theory.graph:
         if n.op != TV_OP:
             continue
-        ctx = simulate.SimContext(theory, n, ratios)
-        ops = [values[o].detach() for o in n.operands]
         reference = None
-        for s in theory.strategies[n.index]:
-            parts = [
-                simulate.instances(v, lay, simulate.split_sizes(theory, o, lay, ratios), 3)
-                for v, lay, o in zip(ops, s.inputs, n.operands)
-            ]
-            got = simulate.combine(simulate.run_compute(ctx, s, parts), s.output)
+        for s, got in strategy_results(theory, n, values, ratios):
             if reference is None:
                 assert s.name == "replicate"
                 reference = got
-                assert not torch.equal(got, ops[0]), "the replicated draw drops something"
+                assert not torch.equal(got, values[n.operands[0]]), "the replicated draw drops something"
             else:
                 torch.testing.assert_close(got, reference, rtol=1e-12, atol=1e-14)
             names.add(s.name)

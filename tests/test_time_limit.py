@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from harness import sgd_steps
 from torch import nn
 
 import hapc
@@ -93,18 +94,6 @@ def test_a_time_limit_bounds_a_search_that_explodes() -> None:
     assert "not proven optimal" in str(plan)
 
 
-def _sgd(module: Any, batch: Any, steps: int = 2) -> list[float]:
-    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = module(*batch)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses
-
-
 def _job(rank: int, world: int, limit: float) -> dict[str, Any]:
     torch.set_num_threads(1)
     model, batch = _build()
@@ -112,7 +101,7 @@ def _job(rank: int, world: int, limit: float) -> dict[str, Any]:
     loss = module(*batch)
     loss.backward()
     out = {"loss": float(loss.detach()), "grads": module.full_gradients()}
-    out["losses"] = _sgd(module, batch)
+    out["losses"] = sgd_steps(module, batch, momentum=0.9)
     out["state"] = module.full_state_dict()
     out["proven"] = module.plan.predicted["proven_optimal"]
     instrs = module.plan.instructions
@@ -127,7 +116,7 @@ def _reference() -> dict[str, Any]:
     loss = model(*batch)
     loss.backward()
     ref = {"loss": float(loss.detach()), "grads": {k: p.grad.clone() for k, p in model.named_parameters()}}
-    ref["losses"] = _sgd(model, batch)
+    ref["losses"] = sgd_steps(model, batch, momentum=0.9)
     ref["state"] = model.state_dict()
     return ref
 
