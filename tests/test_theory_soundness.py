@@ -60,7 +60,13 @@ def test_every_triple_is_sound(case, a, b, c, ratios):
 
 def test_catalogue_exercises_every_builtin_rule():
     """Every built-in rule appears in the catalogue, and each strategy name it produces there is
-    checked at least once with three uneven devices (so the test above cannot pass vacuously)."""
+    checked at least once with three uneven devices (so the test above cannot pass vacuously).
+
+    A case verifies only the nodes offering an (op, strategy) pair that no earlier case checked,
+    with three devices first and two only for the pairs three left unchecked (a dim of size 2): the
+    ops every model repeats (its loss, a linear) are verified once here rather than in each of the
+    179 cases (their soundness on every case, collectives included, is the test above's job). The
+    pairs required checked are unchanged; the test takes ~15 s instead of ~30 s."""
     from collections import Counter
 
     checked: Counter = Counter()
@@ -77,7 +83,11 @@ def test_catalogue_exercises_every_builtin_rule():
             for s in theory.strategies.get(n.index, []):
                 offered.add((n.op, s.name))
         names = ["x", "y", "z"][: len(inputs)]
-        assert not verify(theory, dict(zip(names, inputs)), [[0.5, 0.3, 0.2], [0.6, 0.4]], checked=checked)
+        for tries in ([0.5, 0.3, 0.2], [0.6, 0.4]):
+            offers = {n.index: {(n.op, s.name) for s in theory.strategies.get(n.index, [])} for n in graph}
+            nodes = [i for i, pairs in offers.items() if pairs - set(checked)]
+            if nodes:
+                assert not verify(theory, dict(zip(names, inputs)), [tries], nodes=nodes, checked=checked)
     builtin = [r for r in T.default_registry if r.builtin]
     missing = sorted(r.name for r in builtin if id(r) not in seen_rules)
     assert not missing, f"built-in rules without a catalogue case: {missing}"
