@@ -38,6 +38,7 @@ def synthesize(
     loss: str | int | None = None,
     progress: Progress | None = None,
     time_limit: float | None = None,
+    precision: str | None = None,
 ) -> Plan:
     """Synthesize the distributed program and sharding ratios for ``model`` on ``cluster``.
 
@@ -64,6 +65,13 @@ def synthesize(
             Every search stops at it; where none completed a program, the all-replicated one is
             used. :func:`compile` may spend about twice it: the pipeline kind is priced under a
             budget of its own.
+        precision: ``"bf16"`` / ``"fp16"``: mixed precision as ``torch.autocast`` runs it -- the
+            forward under autocast to that dtype, fp32 master weights, gradients and Adam state
+            (:mod:`hapc.theory.precision`). The plan prices activations and communicated tensors at
+            their autocast dtypes, adds autocast's half copy of each matmul weight to memory, and
+            prices compute at the groups' ``flops_bf16`` / ``flops_fp16`` (a cluster without the key
+            is refused, naming it); the compiled module runs its forward under autocast. Default
+            (``None``, or ``"fp32"``): the model's own dtype, no autocast.
     """
     from .theory import derive, trace
 
@@ -72,7 +80,7 @@ def synthesize(
     graph = trace(model, example_inputs, leaf_modules=leaf_modules, capture=capture, loss=loss)
     t1 = time.perf_counter()
     param_comm = param_comm or needs_param_comm(baseline)  # fsdp gathers sharded parameters
-    theory = derive(graph, strict=strict, sfb=sfb, variants=variants, param_comm=param_comm)
+    theory = derive(graph, strict=strict, sfb=sfb, variants=variants, param_comm=param_comm, precision=precision)
     t2 = time.perf_counter()
     return synthesize_theory(
         theory,
@@ -85,7 +93,13 @@ def synthesize(
         memory=memory,
         progress=progress,
         timings={"trace": t1 - t0, "derive": t2 - t1},
-        options={"sfb": sfb, "variants": list(variants), "param_comm": param_comm, "strict": strict},
+        options={
+            "sfb": sfb,
+            "variants": list(variants),
+            "param_comm": param_comm,
+            "strict": strict,
+            **({"precision": precision} if precision is not None else {}),
+        },
         time_limit=time_limit,
     )
 
@@ -166,7 +180,9 @@ def compile(
             They are for metrics: a backward through them raises (compute loss terms in forward).
         options: for synthesis when no plan is given -- ``segments``, ``rounds``, ``solver``,
             ``memory``, ``baseline``, ``ratios`` (see :func:`synthesize`) and the theory options
-            ``sfb``, ``variants``, ``param_comm``, ``strict`` (see :func:`hapc.derive`).
+            ``sfb``, ``variants``, ``param_comm``, ``strict``, ``precision`` (see :func:`hapc.derive`;
+            ``precision="bf16"``: planned for, and run under, ``torch.autocast`` -- a plan made so
+            carries it, and its module runs the forward of every call under autocast).
 
     Raises:
         HapcError: no process group, an unknown option, or the world size does not match the
@@ -230,7 +246,7 @@ def compile(
             return _compile_pipeline(
                 model, cluster, example_inputs, plan, num_micro, schedule, timeout, options, priced, seed=seed
             )
-    plan.check(graph=graph, cluster=cluster, world_size=world)
+    plan.check(graph=theory.graph, cluster=cluster, world_size=world)  # the theory's: autocast dtypes
     module = CompiledModule(
         model, theory, plan, group=group, device=device, seed=seed, init=init, loss_sync=loss_sync, outputs=outputs
     )

@@ -287,6 +287,7 @@ def cmd_synth(ns: argparse.Namespace) -> int:
             "memory": not ns.no_memory,
             "time_limit": ns.time_limit,
         },
+        theory_options=_precision(ns),
         progress=progress,
     )
     if choice.kind == "pipeline":
@@ -299,7 +300,7 @@ def cmd_synth(ns: argparse.Namespace) -> int:
     plan = choice.plan
     if ns.json:
         plan.save(ns.json)
-    console.print(f"[bold]{ns.model}[/] on {cluster.describe()}")
+    console.print(f"[bold]{ns.model}[/] on {cluster.describe()}" + (f" in {ns.precision}" if ns.precision else ""))
     console.print(str(plan), markup=False)
     ratios = _table("sharding ratios (per device of each type)")
     for col in ("device type", "devices", "ratio", "share of work", "memory used", "memory"):
@@ -339,6 +340,11 @@ def cmd_synth(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _precision(ns: argparse.Namespace) -> dict[str, Any]:
+    """``--precision`` as a theory option (none given: the model's dtype, nothing added)."""
+    return {"precision": ns.precision} if ns.precision else {}
+
+
 def _synth_pipeline(
     ns: argparse.Namespace, model: Any, inputs: Any, cluster: Any, console: Any, plan: Any = None
 ) -> int:
@@ -352,13 +358,19 @@ def _synth_pipeline(
     if plan is None and ns.micro is None:  # the planner's micro-batch search, the pipeline kind only
         from .planner import choose_plan, kinds_table
 
-        choice = choose_plan(model, cluster, inputs, kinds=("pipeline",))
+        choice = choose_plan(model, cluster, inputs, kinds=("pipeline",), theory_options=_precision(ns))
         console.print(kinds_table(choice.kinds))
         plan = choice.plan
     if plan is None:
+        from .theory import derive, trace
+
         batch = next(x.shape[0] for x in inputs if hasattr(x, "shape") and x.dim())
-        plan = plan_pipeline(model, cluster, micro_batches(inputs, ns.micro, batch)[0], num_micro=ns.micro)
-    console.print(f"[bold]{ns.model}[/] pipelined on {cluster.describe()}")
+        micro = micro_batches(inputs, ns.micro, batch)[0]
+        theory = derive(trace(model, micro), **_precision(ns))
+        plan = plan_pipeline(model, cluster, micro, num_micro=ns.micro, theory=theory)
+    console.print(
+        f"[bold]{ns.model}[/] pipelined on {cluster.describe()}" + (f" in {ns.precision}" if ns.precision else "")
+    )
     console.print(plan.describe(), markup=False, highlight=False)
     fwd = [s.fwd for s in plan.stages]
     bwd = [s.bwd + s.sync / plan.num_micro for s in plan.stages]  # the step's gradient sync, spread
@@ -541,6 +553,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="stop the exact program search after SECONDS and keep the best program found, marked "
         "unproven (default: no limit, the proven optimum)",
+    )
+    y.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "fp16"],
+        default=None,
+        help="mixed precision: plan for a forward under torch.autocast to this dtype with fp32 master weights, "
+        "priced at the groups' flops_bf16 / flops_fp16 (default: the model's dtype)",
     )
     y.add_argument("--no-memory", action="store_true", help="ignore device memory limits")
     y.add_argument("--emit-code", metavar="DIR", help="write DIR/rank{r}.py for every rank and DIR/plan.json")

@@ -8,6 +8,8 @@ A cluster is plain data, loaded from TOML (or built in Python, or a named preset
     devices = 8                 # GPUs in this group
     devices_per_host = 4
     flops = "156 TFLOPS"        # sustained flop/s of one device for the model's dtype
+    flops_bf16 = "156 TFLOPS"   # optional: the same under autocast to bf16 / fp16 (precision=)
+    flops_fp16 = "156 TFLOPS"
     memory = "40 GiB"
     mem_bandwidth = "1.5 TB/s"  # optional: memory-bound ops are charged bytes / bandwidth
     op_overhead = "5 us"        # optional: framework work per operator launch (hapc profile)
@@ -23,6 +25,11 @@ A cluster is plain data, loaded from TOML (or built in Python, or a named preset
     between = [ { groups = ["a100", "v100"], bandwidth = "5 Gbps", latency = "100 us" } ]
     [collectives]               # optional alpha-beta fits (hapc profile writes them)
     all_gather = { alpha = 1e-4, beta = 2e-10 }
+
+``flops_bf16`` / ``flops_fp16`` are what a plan made with ``precision="bf16"`` / ``"fp16"`` prices
+compute at (matmuls run in the half dtype under autocast, :mod:`hapc.theory.precision`); planning
+a precision for a cluster without its key is refused, naming the key. Without ``precision`` only
+``flops`` is read, so the keys change nothing else.
 
 Numbers may carry units of the field's kind (``Gbps``, ``GB/s``, ``TFLOPS``, ``GiB``, ``us``) or be
 plain SI values (bytes, bytes/s, flop/s, seconds); a unit of another kind is an error. Files and
@@ -82,10 +89,28 @@ class Group:
     mem_bandwidth: float | None = None
     op_overhead: float | None = None  # seconds of framework work per operator launch (hapc profile)
     intra_host: Link | None = None  # this group's links inside a host, when not the cluster's
+    flops_bf16: float | None = None  # sustained flop/s under autocast to bf16 (precision="bf16")
+    flops_fp16: float | None = None  # ... to fp16
 
     @property
     def hosts(self) -> int:
         return math.ceil(self.devices / self.devices_per_host)
+
+    def rate(self, precision: str | None = None) -> float:
+        """Sustained flop/s for ``precision`` (None / ``"fp32"``: ``flops``, the model's dtype)."""
+        if precision in (None, "fp32"):
+            return self.flops
+        if precision not in HALF_KEYS:
+            raise ClusterError(f"unknown precision {precision!r}; one of 'fp32', {', '.join(map(repr, HALF_KEYS))}")
+        value = getattr(self, HALF_KEYS[precision])
+        if value is None:
+            key = HALF_KEYS[precision]
+            raise ClusterError(
+                f"group {self.name!r} has no {key}: a {precision} plan needs its devices' sustained {precision} rate; "
+                f'add `{key} = "... TFLOPS"` to its [[group]] (hapc/presets.py lists datasheet values), or plan '
+                "without precision="
+            )
+        return value
 
 
 @dataclass(frozen=True)
@@ -182,7 +207,8 @@ class Cluster:
             )
             ovh = _non_negative(g["op_overhead"], f"{where}: op_overhead", TIME, r) if "op_overhead" in g else None
             own = _link(g["intra_host"], f"{where}: intra_host", r) if "intra_host" in g else None
-            groups.append(Group(str(g["name"]), devices, flops, memory, dph, mbw, ovh, own))
+            half = {k: _positive(g[k], f"{where}: {k}", FLOPS, r) for k in HALF_KEYS.values() if k in g}
+            groups.append(Group(str(g["name"]), devices, flops, memory, dph, mbw, ovh, own, **half))
         names = [g.name for g in groups]
         if len(set(names)) != len(names):
             raise ClusterError(f"cluster: group names must be unique, got {names}")
@@ -281,18 +307,20 @@ class Cluster:
         """Physical devices (ranks of a run)."""
         return sum(g.devices for g in self.groups)
 
-    def device_types(self) -> list[DeviceType]:
-        """The (virtual) device types the synthesizer balances, one per group."""
+    def device_types(self, precision: str | None = None) -> list[DeviceType]:
+        """The (virtual) device types the synthesizer balances, one per group; ``precision``: their
+        flop/s are that dtype's rate (:meth:`Group.rate`; ClusterError where a group lacks it)."""
         out = []
         for g in self.groups:
             ovh = g.op_overhead or 0.0
+            flops = g.rate(precision)
             if self.virtual == "host":
                 inner = g.devices_per_host
                 out.append(
-                    DeviceType(g.name, g.hosts, g.flops * inner, g.memory, g.mem_bandwidth, inner, self.intra_host, ovh)
+                    DeviceType(g.name, g.hosts, flops * inner, g.memory, g.mem_bandwidth, inner, self.intra_host, ovh)
                 )
             else:
-                out.append(DeviceType(g.name, g.devices, g.flops, g.memory, g.mem_bandwidth, op_overhead=ovh))
+                out.append(DeviceType(g.name, g.devices, flops, g.memory, g.mem_bandwidth, op_overhead=ovh))
         return out
 
     def devices(self) -> list[str]:
@@ -355,7 +383,12 @@ def derived_alpha_beta(primitive: str, m: int, link: Link) -> AlphaBeta:
     raise ClusterError(f"unknown collective primitive {primitive!r}")
 
 
-GROUP_KEYS = {"name", "devices", "flops", "memory", "devices_per_host", "mem_bandwidth", "op_overhead", "intra_host"}
+#: precision -> the optional [[group]] key of its sustained rate
+HALF_KEYS = {"bf16": "flops_bf16", "fp16": "flops_fp16"}
+GROUP_KEYS = {
+    "name", "devices", "flops", "memory", "devices_per_host", "mem_bandwidth", "op_overhead", "intra_host",
+    *HALF_KEYS.values(),
+}  # fmt: skip
 
 
 def _check_keys(data: Any, allowed: set[str], where: str) -> None:

@@ -74,7 +74,7 @@ KINDS = ("spmd", "pipeline")
 #: options of :func:`synthesize_theory` that :func:`hapc.compile` accepts
 SYNTH_OPTIONS = ("segments", "rounds", "solver", "memory", "baseline", "ratios", "time_limit")
 #: options of :func:`hapc.derive` that :func:`hapc.compile` accepts
-THEORY_OPTIONS = ("sfb", "variants", "param_comm", "strict")
+THEORY_OPTIONS = ("sfb", "variants", "param_comm", "strict", "precision")
 
 
 @without_gc
@@ -100,7 +100,8 @@ def synthesize_theory(
         raise HapcError(f"time_limit must be a positive number of seconds (or None: no limit), got {time_limit!r}")
     deadline = None if time_limit is None else time.monotonic() + time_limit
     t0 = time.perf_counter()
-    model = CostModel(cluster)
+    precision = getattr(theory, "precision", None)  # the forward's autocast: half-precision flop rates
+    model = CostModel(cluster, precision=precision)
     allowed = shardable_triples(theory, model.m)
     initial = None
     if baseline is not None:
@@ -163,6 +164,7 @@ def synthesize_theory(
         stages=stages,
         options={
             **(options or {}),
+            **({"precision": precision} if precision else {}),  # the runtime runs the forward under autocast
             "segments": segments,
             "rounds": rounds,
             "solver": solver,
@@ -200,10 +202,10 @@ def model_flops(graph: Any) -> float:
     return sum(n.flops + backward_work(n, graph.nodes)[0] for n in graph if n.kind == OP)
 
 
-def ideal_seconds(graph: Any, cluster: Cluster) -> float:
-    """The step's model flops over the cluster's peak flop/s: the time of a perfect plan, the
-    numerator of every efficiency (``Plan.efficiency``, ``KindEstimate``)."""
-    return model_flops(graph) / sum(t.count * t.flops for t in cluster.device_types())
+def ideal_seconds(graph: Any, cluster: Cluster, precision: str | None = None) -> float:
+    """The step's model flops over the cluster's peak flop/s (at ``precision``'s rates): the time of
+    a perfect plan, the numerator of every efficiency (``Plan.efficiency``, ``KindEstimate``)."""
+    return model_flops(graph) / sum(t.count * t.flops for t in cluster.device_types(precision))
 
 
 def _check_ratios(ratios: Sequence[float], model: CostModel) -> tuple[float, ...]:
@@ -556,7 +558,7 @@ def choose_plan(
         graph = trace(model, example_inputs, **(trace_options or {}))
     else:
         graph = theory.graph
-    ideal = ideal_seconds(graph, cluster)
+    ideal = ideal_seconds(graph, cluster, getattr(theory, "precision", None) or theory_options.get("precision"))
     for k in priced:
         k.efficiency = ideal / k.time if k.time > 0 else 0.0
     chosen = plans[best.kind]

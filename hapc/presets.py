@@ -24,6 +24,19 @@ DEVICES: dict[str, tuple[float, str, str]] = {
     "t4": (32e12, "16 GB", "320 GB/s"),  # fp16: 65 peak
 }
 
+#: device kind -> sustained flop/s under autocast (``flops_bf16`` / ``flops_fp16``, read only by a
+#: plan made with ``precision=``), on the same "about half of the tensor-core peak" basis. A device
+#: without bf16 units (Pascal, Volta, Turing: ``torch.cuda.is_bf16_supported()`` is False; cuBLAS
+#: computes their bf16 GEMMs in fp32) gets its fp32 rate: bf16 there saves bytes, not time.
+HALF: dict[str, dict[str, float]] = {
+    "v100-fp32": {"flops_fp16": 62e12, "flops_bf16": 14e12},  # fp16 tensor cores: 125 peak; no bf16
+    "p100": {"flops_fp16": 17e12, "flops_bf16": 9e12},  # fp16 (half2, no tensor cores): 18.7-21.2 peak; no bf16
+    "v100": {"flops_fp16": 62e12, "flops_bf16": 14e12},  # fp32 15.7 peak, no bf16
+    "v100e": {"flops_fp16": 62e12, "flops_bf16": 14e12},
+    "a100": {"flops_fp16": 156e12, "flops_bf16": 156e12},  # fp16 and bf16 tensor cores: 312 peak each
+    "t4": {"flops_fp16": 32e12, "flops_bf16": 7e12},  # fp32 8.1 peak, no bf16
+}
+
 #: ``(bandwidth, latency)`` of link kinds the presets share
 LINKS = {
     "pcie": {"bandwidth": "10 GB/s", "latency": "10 us"},
@@ -42,6 +55,7 @@ def group(name: str, devices: int, per_host: int, kind: str | None = None, **ext
         "flops": flops,
         "memory": memory,
         "mem_bandwidth": bandwidth,
+        **HALF[kind or name],
         **extra,
     }
 
@@ -147,6 +161,8 @@ def _local_cpu(arg: str | None) -> dict[str, Any]:
             "devices": fast,
             "devices_per_host": fast,
             "flops": 2e10,
+            "flops_bf16": 2e10,
+            "flops_fp16": 2e10,
             "memory": "4 GiB",
             "mem_bandwidth": "8 GB/s",
         }
@@ -158,6 +174,8 @@ def _local_cpu(arg: str | None) -> dict[str, Any]:
                 "devices": n - fast,
                 "devices_per_host": n - fast,
                 "flops": 1e10,
+                "flops_bf16": 1e10,
+                "flops_fp16": 1e10,
                 "memory": "4 GiB",
                 "mem_bandwidth": "4 GB/s",
             }

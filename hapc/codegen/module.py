@@ -51,6 +51,7 @@ from ..ops import RandomStream
 from ..plan import Plan
 from ..theory.graph import INPUT, PARAM
 from ..theory.instructions import Source
+from ..theory.precision import autocast_dtype
 from ..theory.props import Layout
 from ..theory.rules.random import sample_drop_p
 from ..theory.triples import Theory
@@ -231,16 +232,17 @@ class CompiledModule(nn.Module):
             self._synced = False
         extras: tuple = ()
         checks: list[tuple[int, str]] = []
-        if odd:
-            out, extras = self._odd.run(bound)
-        else:
-            whole, checks = self._whole_batch_values(bound)
-            checks += self._whole_input_checks(bound)
-            with C.deferring(self._channel, checks):
-                out = self.program(*[bound[n] for n in names], *whole)
-            if isinstance(out, tuple):  # the loss, then the model's other returned tensors
-                out, *rest = out
-                extras = tuple(rest)
+        with self._autocast():
+            if odd:
+                out, extras = self._odd.run(bound)
+            else:
+                whole, checks = self._whole_batch_values(bound)
+                checks += self._whole_input_checks(bound)
+                with C.deferring(self._channel, checks):
+                    out = self.program(*[bound[n] for n in names], *whole)
+                if isinstance(out, tuple):  # the loss, then the model's other returned tensors
+                    out, *rest = out
+                    extras = tuple(rest)
         if self.rng.drops:  # every forward that may drop draws new masks (each accumulated micro-batch too)
             self.rng.step += 1
         if checks and not isinstance(out, C.GlobalLoss) and isinstance(out, torch.Tensor) and out.dim() == 0:
@@ -255,6 +257,16 @@ class CompiledModule(nn.Module):
             if key in self._unused:
                 self._unused[key] += 1
         return out, extras
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The forward's mixed precision: ``torch.autocast`` to the plan's ``precision`` (bf16 /
+        fp16, :mod:`hapc.theory.precision`) on this rank's device, as single-device AMP runs it
+        (the backward follows autograd through its casts); nothing for a plan without one (a
+        caller's own ``torch.autocast`` around the call then applies as it would to the model)."""
+        dtype = autocast_dtype(self.plan.options.get("precision"))
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CompiledModule:
         """A copy with its own parameters and buffers on the same ranks and process groups (which

@@ -87,15 +87,26 @@ class CostModel:
 
     ``memory_factor`` multiplies parameter bytes for memory accounting: weights, gradients and
     two Adam moments (4). ``mem_bandwidth``: charge memory traffic when the cluster lists it.
+    ``precision``: the theory's autocast (``Theory.precision``, :mod:`hapc.theory.precision`):
+    flops are priced at the groups' ``flops_bf16`` / ``flops_fp16`` (all of them: matmuls dominate,
+    and memory-bound ops are charged by their bytes, which the theory's dtypes already shrink).
+    Parameters stay fp32 master weights, so ``memory_factor`` and gradient bytes do not change.
     """
 
     def __init__(
-        self, cluster: Cluster, *, memory_factor: float = 4.0, mem_bandwidth: bool = True, bucket_bytes: float = 25e6
+        self,
+        cluster: Cluster,
+        *,
+        memory_factor: float = 4.0,
+        mem_bandwidth: bool = True,
+        bucket_bytes: float = 25e6,
+        precision: str | None = None,
     ):
         self.cluster = cluster
+        self.precision = precision
         self.bucket_bytes = bucket_bytes
         self.memory_price = 0.0  # seconds per device-capacity used, when memory must be traded for time
-        self.types: list[DeviceType] = cluster.device_types()
+        self.types: list[DeviceType] = cluster.device_types(precision)
         self.counts = tuple(t.count for t in self.types)
         self.m = sum(self.counts)
         self.memory_factor = memory_factor

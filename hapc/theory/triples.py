@@ -103,6 +103,7 @@ class Theory:
     granularity: dict[Key, tuple[int, Key]]
     raw_counts: dict[str, int]
     unsupported: list[str] = field(default_factory=list)
+    precision: str | None = None  # the forward's autocast (hapc.theory.precision); None: the model's dtype
 
     @functools.cached_property
     def consumers(self) -> dict[Prop, list[int]]:
@@ -195,6 +196,7 @@ def derive(
     variants: Sequence[str] = ("padded", "grouped"),
     param_comm: bool = False,
     optimise: bool = True,
+    precision: str | None = None,
 ) -> Theory:
     """The theory of ``graph``: all triples, optimised per HAP §4.5 (see module docstring).
 
@@ -205,9 +207,21 @@ def derive(
         variants: all-gather / reduce-scatter implementations to offer (``padded``, ``grouped``).
         param_comm: allow communicating parameters (all-gathered sharded weights, ZeRO-3 style).
         optimise: apply fusion and relevance pruning (off: the raw theory, for inspection).
+        precision: ``"bf16"`` / ``"fp16"``: the forward runs under autocast to that dtype, with fp32
+            master weights (:mod:`hapc.theory.precision`): the theory's graph is ``graph`` with the
+            autocast dtypes (activation and communication bytes), and each parameter a matmul reads
+            adds its half copy to the saved activations. ``None`` or ``"fp32"``: the model's dtype.
     """
+    from .precision import autocast_dtype, autocast_graph, half_copies
+
+    half = autocast_dtype(precision)
+    if half is not None:
+        graph = autocast_graph(graph, half)
     b = _Builder(graph, registry or default_registry, strict, sfb, tuple(variants), param_comm)
-    return b.build(optimise)
+    b.half_copies = half_copies(graph, half)
+    theory = b.build(optimise)
+    theory.precision = precision if half is not None else None
+    return theory
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,6 +236,7 @@ class _Builder:
         self.static = _static_nodes(graph)
         self._strategy_cache: dict[tuple | None, list[Strategy]] = {}
         self.unsupported: list[str] = []
+        self.half_copies: dict[int, int] = {}  # parameter -> bytes of its autocast copy (precision)
 
     # -- per-node strategies -------------------------------------------------------------------
     def node_strategies(self, n: RefNode) -> list[Strategy]:
@@ -349,7 +364,9 @@ class _Builder:
         cost = CostProfile()
         if n.kind == PARAM:
             grad = (Comm("all_reduce", nbytes, "full"),) if lay.is_replicated else ()
-            cost = CostProfile(param_bytes=Linear.split(nbytes, lay.is_sharded), grad_comm=grad)
+            # autocast's half copy of the weight is saved for the backward, like an activation
+            half = Linear.split(self.half_copies.get(n.index, 0), lay.is_sharded)
+            cost = CostProfile(param_bytes=Linear.split(nbytes, lay.is_sharded), grad_comm=grad, act_bytes=half)
         tokens = frozenset({("src", n.index)}) if n.kind == PARAM else frozenset()
         return Triple(frozenset(), frozenset({Prop(n.index, lay)}), (Source(n.index, lay),), cost, tokens)
 
