@@ -124,51 +124,66 @@ def _tilings(groups):
         yield [m for part in combo for m in part]
 
 
-def _brute_force(table, groups, links, B):
+def _brute_force(table, groups, links, B, recompute="never"):
+    """The least Eq. 12 over every tiling, cut and choice of recomputing stages (``recompute``:
+    "never", "always" every stage, "auto" any subset): a recomputing stage takes ``t + fwd`` and
+    needs ``mem_p + N in + mem_a`` with ``in`` the bytes entering it (0 for the first stage)."""
     L = table.num_layers
-    opt_index = {(o.group, o.size): i for i, o in enumerate(table.options)}
-    per_mb = table.fwd + table.bwd + table.sync / B
     best = math.inf
     for meshes in _tilings(groups):
         S = len(meshes)
         if S > L:
             continue
+        flags = {"never": [(False,) * S], "always": [(True,) * S]}.get(recompute)
         for cuts in itertools.combinations(range(1, L), S - 1):
-            bounds = [0, *cuts, L]
-            t, c, mp, ma = [], [], [], []
-            for s, (k, start, n) in enumerate(meshes):
-                o = opt_index[(k, n)]
-                lo, hi = bounds[s], bounds[s + 1]
-                t.append(sum(per_mb[o, lo:hi]))
-                mp.append(sum(table.mem_param[o, lo:hi]))
-                ma.append(sum(table.mem_act[o, lo:hi]))
-                if s == S - 1:
-                    c.append(0.0)
-                    continue
-                g = groups[k]
-                if start + n == g.devices:
-                    bw, lat = links.between[k]
-                elif start // g.devices_per_host == (start + n) // g.devices_per_host:
-                    bw, lat = links.intra_host
-                else:
-                    bw, lat = links.inter_host
-                c.append(lat + table.out_bytes[hi - 1] / bw)
-            up = math.inf
-            taus = {max(t)} | {
-                float(np.nextafter(np.nextafter(x, up), up)) for ci in c if ci > 0 for x in (ci, 2 * ci, ci / EPS)
-            }
-            for tau in sorted(x for x in taus if x >= max(t)):
-                if any(ci > tau for ci in c):
-                    continue
-                N = [1]
-                for ci in reversed(c[:-1]):
-                    N.append(N[-1] + int(delta(ci, tau, EPS)))
-                N = N[::-1]
-                mem = [groups[k].memory for k, _, _ in meshes]
-                if all(p + min(n, B) * a <= m for p, a, n, m in zip(mp, ma, N, mem)):
-                    best = min(best, sum(t) + 2 * sum(c) + (B - 1) * tau)
-                    break
+            for rc in flags or itertools.product((False, True), repeat=S):
+                best = min(best, _brute_value(table, groups, links, B, meshes, [0, *cuts, L], rc))
     return best
+
+
+def _brute_value(table, groups, links, B, meshes, bounds, rc):
+    """Eq. 12 of one plan at its least feasible t_max (inf: none)."""
+    opt_index = {(o.group, o.size): i for i, o in enumerate(table.options)}
+    per_mb = table.fwd + table.bwd + table.sync / B
+    ok = np.ones(table.fwd.shape, dtype=bool) if table.recomputable is None else table.recomputable
+    S = len(meshes)
+    t, c, mp, ma = [], [], [], []
+    for s, (k, start, n) in enumerate(meshes):
+        o = opt_index[(k, n)]
+        lo, hi = bounds[s], bounds[s + 1]
+        if rc[s] and not ok[o, lo:hi].all():
+            return math.inf
+        t.append(sum(per_mb[o, lo:hi]) + (sum(table.fwd[o, lo:hi]) if rc[s] else 0.0))
+        mp.append(sum(table.mem_param[o, lo:hi]))
+        act = sum(table.mem_act[o, lo:hi])
+        inb = table.out_bytes[lo - 1] if lo > 0 else 0.0
+        ma.append((inb, act) if rc[s] else (act, 0.0))  # (per in-flight micro-batch, once)
+        if s == S - 1:
+            c.append(0.0)
+            continue
+        g = groups[k]
+        if start + n == g.devices:
+            bw, lat = links.between[k]
+        elif start // g.devices_per_host == (start + n) // g.devices_per_host:
+            bw, lat = links.intra_host
+        else:
+            bw, lat = links.inter_host
+        c.append(lat + table.out_bytes[hi - 1] / bw)
+    up = math.inf
+    taus = {max(t)} | {
+        float(np.nextafter(np.nextafter(x, up), up)) for ci in c if ci > 0 for x in (ci, 2 * ci, ci / EPS)
+    }
+    for tau in sorted(x for x in taus if x >= max(t)):
+        if any(ci > tau for ci in c):
+            continue
+        N = [1]
+        for ci in reversed(c[:-1]):
+            N.append(N[-1] + int(delta(ci, tau, EPS)))
+        N = N[::-1]
+        mem = [groups[k].memory for k, _, _ in meshes]
+        if all(p + min(n, B) * a + once <= m for p, (a, once), n, m in zip(mp, ma, N, mem)):
+            return sum(t) + 2 * sum(c) + (B - 1) * tau
+    return math.inf
 
 
 def test_dp_equals_brute_force_on_random_instances():
@@ -177,7 +192,7 @@ def test_dp_equals_brute_force_on_random_instances():
     for _ in range(150):
         table, groups, links, B = _random_instance(rng)
         want = _brute_force(table, groups, links, B)
-        dp = PipelineDP(table, groups, links, B, EPS)
+        dp = PipelineDP(table, groups, links, B, EPS, recompute="never")
         sol = dp.solve()
         if not math.isfinite(want):
             assert sol is None
@@ -193,6 +208,46 @@ def test_dp_equals_brute_force_on_random_instances():
         assert [s.lo for s in st] == [0] + [s.hi for s in st[:-1]] and st[-1].hi == table.num_layers
         memory_bound += any(math.isfinite(s.nmax) and s.nmax < B for s in st)
     assert feasible >= 20 and infeasible >= 3 and memory_bound >= 3  # the instances exercise all cases
+
+
+def test_dp_with_recomputation_equals_brute_force():
+    """Recomputation as a per-stage choice: "auto" (the DP picks per stage), "always" and the
+    layers where it is not allowed (``recomputable``) against brute force over every subset."""
+    rng = random.Random(11)
+    helped = rescued = chosen = masked = 0
+    for n in range(150):
+        table, groups, links, B = _random_instance(rng)
+        table.mem_act = table.mem_act * rng.uniform(1.0, 4.0)  # memory binds more often
+        table.out_bytes = table.out_bytes * rng.choice([0.05, 0.3, 1.0])  # stage inputs smaller than activations
+        if n % 2 == 0:
+            L = table.num_layers
+            table.recomputable = np.array([[rng.random() < 0.85 for _ in range(L)] for _ in table.options])
+        never = _brute_force(table, groups, links, B, "never")
+        for mode in ("auto", "always"):
+            want = _brute_force(table, groups, links, B, mode)
+            sol = PipelineDP(table, groups, links, B, EPS, recompute=mode).solve()
+            if not math.isfinite(want):
+                assert sol is None
+                continue
+            assert sol is not None
+            assert sol.value == pytest.approx(want, rel=1e-9)
+            st = sol.stages
+            assert sol.value == pytest.approx(sum(s.time + 2 * s.comm for s in st) + (B - 1) * sol.t_max, rel=1e-12)
+            for s in st:  # a recomputing stage's time is t + fwd, and it only recomputes where allowed
+                o, rng_ = s.option, slice(s.lo, s.hi)
+                base = (table.fwd + table.bwd + table.sync / B)[o, rng_].sum()
+                assert s.time == pytest.approx(base + (table.fwd[o, rng_].sum() if s.recompute else 0.0), rel=1e-12)
+                if s.recompute and table.recomputable is not None:
+                    assert table.recomputable[o, rng_].all()
+            if mode == "always":
+                assert all(s.recompute for s in st)
+                continue
+            assert want <= never
+            chosen += any(s.recompute for s in st)
+            helped += math.isfinite(never) and want < never * (1 - 1e-9)
+            rescued += not math.isfinite(never)
+            masked += table.recomputable is not None and any(s.recompute for s in st)
+    assert helped >= 6 and rescued >= 4 and chosen >= helped + rescued and masked >= 4  # (10, 6, 16, 7)
 
 
 def test_delta_is_the_schedule_modules_eq2():

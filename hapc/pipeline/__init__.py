@@ -7,7 +7,8 @@
 * :mod:`~hapc.pipeline.simulate` -- a discrete-event replay and its Chrome trace;
 * :mod:`~hapc.pipeline.stages` -- cutting the reference graph into stage graphs;
 * :mod:`~hapc.pipeline.runtime` -- running the stages on process sub-groups;
-* :mod:`~hapc.pipeline.replicas` -- data-parallel replicas of a pipeline (layouts, their price).
+* :mod:`~hapc.pipeline.replicas` -- data-parallel replicas of a pipeline (layouts, their price);
+* :mod:`~hapc.pipeline.recompute` -- a stage recomputing its activations in backward.
 
 :func:`compile_pipeline` puts them together under ``torchrun``: rank 0 plans, every rank receives
 the plan as JSON, builds its stage's SPMD program and returns a :class:`PipelineModule`::
@@ -72,6 +73,7 @@ def spec_from_plan(plan: PipelinePlan, cluster: Cluster, policy: str = "h1f1b") 
         warmups=warm,
         num_micro=plan.num_micro * R,
         replicas=reps if R > 1 else [],
+        recompute=[s.recompute for s in plan.stages] if any(s.recompute for s in plan.stages) else [],
     )
 
 

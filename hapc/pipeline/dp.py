@@ -18,6 +18,22 @@ state makes the memory constraint exact (HARP keeps one ``N`` per state, taken f
 substructure, which can miss a feasible plan); ``b`` only ranges up to the largest finite
 ``Nmax`` any candidate has, bounds beyond that being unconstrained.
 
+**Activation recomputation** (HARP fn. 2; Korthikanti et al. 2023's "full" level) is a per-stage
+choice. A stage ``l_i..l_j`` that recomputes keeps, per in-flight micro-batch, only its input (the
+activation entering it, ``in_i = out_bytes[i-1]``, ``0`` for the first stage whose inputs are the
+batch) and, during one micro-batch's backward, that micro-batch's full activations; its backward
+runs the forward again. So its row has
+
+    t_r = t + Σ fwd,        Eq. 18 as   mem_p + N·in_i + mem_a <= mem_device,
+
+i.e. ``Nmax_r = floor((mem_device - mem_p - mem_a) / in_i)``. It is one more candidate row of the
+index (same layers, sub-mesh and link): the DP takes the cheaper feasible row as for any other
+choice, so it stays exact. ``recompute="auto"`` adds the row only where it raises ``Nmax`` (a row
+with more time and no more memory headroom is dominated in every state), ``"always"`` uses only
+recomputing rows, ``"never"`` none. ``CostTable.recomputable`` (per option and layer) says where
+recomputation may be planned at all: the planner leaves out layers whose program communicates in
+its forward (recomputed collectives are not run; see :mod:`hapc.pipeline.recompute`).
+
 ``t_max`` is enumerated over the candidate stage times and the link thresholds where ``δ``
 changes (``c``, ``2c``, ``c/ε``: raising ``t_max`` there can buy memory), with HARP's
 bidirectional pruning (§5.2.4): binary search for the smallest feasible ``t_S``, no candidate above
@@ -53,7 +69,9 @@ class CostTable:
     ``fwd``/``bwd``: seconds per micro-batch; ``sync``: the stage's once-per-step gradient
     synchronisation (charged as ``sync / B`` per micro-batch); ``mem_param``: bytes per device for
     parameters, gradients and optimizer state; ``mem_act``: bytes per device saved for backward per
-    in-flight micro-batch; ``out_bytes[j]``: bytes crossing the cut after layer ``j``."""
+    in-flight micro-batch; ``out_bytes[j]``: bytes crossing the cut after layer ``j`` (a recomputing
+    stage starting at ``j + 1`` keeps them per in-flight micro-batch); ``recomputable``: where a
+    stage may recompute (all its layers ``True``; ``None``: everywhere)."""
 
     options: list[Option]
     fwd: np.ndarray
@@ -62,6 +80,11 @@ class CostTable:
     mem_param: np.ndarray
     mem_act: np.ndarray
     out_bytes: np.ndarray
+    recomputable: np.ndarray | None = None
+
+    def in_bytes(self) -> np.ndarray:
+        """Bytes a recomputing stage starting at layer ``i`` keeps per in-flight micro-batch."""
+        return np.concatenate([[0.0], np.asarray(self.out_bytes[:-1], dtype=float)])
 
     @property
     def num_layers(self) -> int:
@@ -99,6 +122,7 @@ class StageChoice:
     comm: float  # one-way transfer to the next stage (0 for the last)
     link: str
     nmax: float  # most in-flight micro-batches memory allows (inf: unconstrained)
+    recompute: bool = False  # the stage recomputes its activations in backward (time includes it)
 
 
 @dataclass
@@ -117,10 +141,25 @@ def delta(c: np.ndarray | float, t_max: float, epsilon: float) -> np.ndarray:
     return np.where(c <= epsilon * t_max, 1, np.where(c <= t_max / 2, 2, 3))
 
 
+#: the recomputation choices of :class:`PipelineDP`
+RECOMPUTE = ("auto", "never", "always")
+
+
 class PipelineDP:
     """The search for one cost table, device order, link set and micro-batch count."""
 
-    def __init__(self, table: CostTable, groups: list[GroupSpec], links: Links, num_micro: int, epsilon: float):
+    def __init__(
+        self,
+        table: CostTable,
+        groups: list[GroupSpec],
+        links: Links,
+        num_micro: int,
+        epsilon: float,
+        recompute: str = "auto",
+    ):
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+        self.recompute = recompute
         self.table, self.groups, self.links = table, groups, links
         self.B, self.eps = int(num_micro), float(epsilon)
         L = self.L = table.num_layers
@@ -131,6 +170,10 @@ class PipelineDP:
         self.Pt = np.hstack([z, np.cumsum(self.per_mb, axis=1)])
         self.Pp = np.hstack([z, np.cumsum(table.mem_param, axis=1)])
         self.Pa = np.hstack([z, np.cumsum(table.mem_act, axis=1)])
+        self.Pf = np.hstack([z, np.cumsum(table.fwd, axis=1)])
+        bad = np.zeros_like(table.fwd) if table.recomputable is None else ~np.asarray(table.recomputable, dtype=bool)
+        self.Pbad = np.hstack([z, np.cumsum(bad, axis=1)])  # layers that may not recompute, prefix counts
+        self.inb = table.in_bytes()
         reach = 3 * min(D, L) - 2  # the largest warm-up count any plan has
         self.cap = min(self.B, reach)  # finite bounds >= cap are unconstrained
         self._build_index()
@@ -162,7 +205,7 @@ class PipelineDP:
 
     def _build_index(self) -> None:
         L, tb = self.L, self.table
-        cols: dict[str, list] = {k: [] for k in ("t", "c", "nmax", "ni", "np", "p", "o", "link")}
+        cols: dict[str, list] = {k: [] for k in ("t", "c", "nmax", "ni", "np", "p", "o", "link", "rc")}
         self.index: list[dict[str, np.ndarray]] = []
         self.max_finite = 0
         links: list[str] = []
@@ -180,34 +223,23 @@ class PipelineDP:
             for key in cols:
                 cols[key] = []
             for o, opt, groups in place:
-                mem = self.groups[opt.group].memory
-                js = np.arange(i, L)
-                mp = self.Pp[o, js + 1] - self.Pp[o, i]
-                ma = self.Pa[o, js + 1] - self.Pa[o, i]
-                fits = mp + ma <= mem
-                if not fits.any():
-                    continue
-                last = int(np.flatnonzero(fits)[-1])  # memory grows with j: a prefix fits
-                js, mp, ma = js[: last + 1], mp[: last + 1], ma[: last + 1]
-                t = self.Pt[o, js + 1] - self.Pt[o, i]
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    nmax = np.where(ma > 0, np.floor((mem - mp) / np.where(ma > 0, ma, 1)), INF)
-                nmax = np.where(nmax >= self.cap, INF, nmax)
-                for lk, bw, lat, starts in groups:
-                    sel = js == L - 1 if lk == end else js < L - 1  # the last stage ends the model
-                    if not sel.any():
-                        continue
-                    jj = js[sel]
-                    c = np.zeros(len(jj)) if lk == end else lat + tb.out_bytes[jj] / bw
-                    k = len(starts)
-                    cols["t"].append(np.tile(t[sel], k))
-                    cols["c"].append(np.tile(c, k))
-                    cols["nmax"].append(np.tile(nmax[sel], k))
-                    cols["ni"].append(np.tile(jj + 1, k))
-                    cols["p"].append(np.repeat(starts, len(jj)))
-                    cols["np"].append(np.repeat(starts + opt.size, len(jj)))
-                    cols["o"].append(np.full(len(jj) * k, o))
-                    cols["link"].append(np.full(len(jj) * k, lk))
+                for js, t, nmax, rc in self._rows(i, o, self.groups[opt.group].memory):
+                    for lk, bw, lat, starts in groups:
+                        sel = js == L - 1 if lk == end else js < L - 1  # the last stage ends the model
+                        if not sel.any():
+                            continue
+                        jj = js[sel]
+                        c = np.zeros(len(jj)) if lk == end else lat + tb.out_bytes[jj] / bw
+                        k = len(starts)
+                        cols["t"].append(np.tile(t[sel], k))
+                        cols["c"].append(np.tile(c, k))
+                        cols["nmax"].append(np.tile(nmax[sel], k))
+                        cols["ni"].append(np.tile(jj + 1, k))
+                        cols["p"].append(np.repeat(starts, len(jj)))
+                        cols["np"].append(np.repeat(starts + opt.size, len(jj)))
+                        cols["o"].append(np.full(len(jj) * k, o))
+                        cols["link"].append(np.full(len(jj) * k, lk))
+                        cols["rc"].append(np.full(len(jj) * k, rc))
             if cols["t"]:
                 arr = {k: np.concatenate(v) for k, v in cols.items()}
                 order = np.argsort(arr["p"], kind="stable")
@@ -231,6 +263,43 @@ class PipelineDP:
         for arr in self.index:  # flat offsets of G[j+1, p', 0] and Nmax as a bound index
             arr["base"] = (arr["ni"].astype(np.int64) * (self.D + 1) + arr["np"].astype(np.int64)) * (K + 1)
             arr["nm"] = np.where(np.isfinite(arr["nmax"]), arr["nmax"], K).astype(np.int64)
+
+    def _rows(self, i: int, o: int, mem: float) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
+        """The stages starting at layer ``i`` on option ``o`` that fit one micro-batch: ``(last
+        layers, times, Nmax, recompute)`` without recomputation and, where it is allowed and raises
+        ``Nmax`` (``"auto"``) or always (``"always"``), with it (memory grows with the last layer
+        ``j``: the plain rows that fit are a prefix of ``j``)."""
+        L = self.L
+        js = np.arange(i, L)
+        mp = self.Pp[o, js + 1] - self.Pp[o, i]
+        ma = self.Pa[o, js + 1] - self.Pa[o, i]
+        t = self.Pt[o, js + 1] - self.Pt[o, i]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            plain = np.where(ma > 0, np.floor((mem - mp) / np.where(ma > 0, ma, 1)), INF)
+        plain = np.where(plain >= self.cap, INF, plain)
+        fits = mp + ma <= mem
+        plain = np.where(fits, plain, 0.0)  # 0: not even one micro-batch fits
+        out = []
+        if self.recompute != "always":
+            if fits.any():
+                last = int(np.flatnonzero(fits)[-1]) + 1
+                out.append((js[:last], t[:last], plain[:last], 0))
+        if self.recompute == "never":
+            return out
+        ok = (self.Pbad[o, js + 1] - self.Pbad[o, i]) == 0
+        inb = float(self.inb[i])
+        room = mem - mp - ma
+        with np.errstate(divide="ignore", invalid="ignore"):
+            nr = np.floor(room / inb) if inb > 0 else np.where(room >= 0, INF, 0.0)
+        nr = np.where(room >= inb, nr, 0.0)
+        nr = np.where(nr >= self.cap, INF, nr)
+        keep = ok & (nr >= 1)
+        if self.recompute == "auto":
+            keep &= nr > plain  # otherwise the plain row has less time and no less headroom
+        if keep.any():
+            tr = t + self.Pf[o, js + 1] - self.Pf[o, i]  # the backward runs the forward again
+            out.append((js[keep], tr[keep], nr[keep], 1))
+        return out
 
     def candidates(self) -> np.ndarray:
         """Sorted distinct ``t_max`` candidates: stage times and the ``δ`` thresholds of links."""
@@ -315,6 +384,7 @@ class PipelineDP:
                     float(a["c"][r]),
                     self.link_names[int(a["link"][r])],
                     float(nmax),
+                    bool(a["rc"][r]),
                 )
             )
             i, p = int(a["ni"][r]), int(a["np"][r])

@@ -21,6 +21,12 @@ prices every layer on every sub-mesh kind with the SPMD synthesizer
   stage's compute time per micro-batch and ``F`` their peak flop/s.
 * **Hosts inside a group**: sub-meshes are parts of one host or whole hosts, so a group spanning
   hosts may be cut at a host boundary; that cut's ``c`` is priced on the inter-host link.
+* **Activation recomputation** (``recompute="auto"|"never"|"always"``, :mod:`hapc.pipeline.dp`):
+  a stage may recompute its activations in backward -- its backward time grows by its forward and
+  its memory is ``mem_p + N in + mem_a`` (its input per in-flight micro-batch, one micro-batch's
+  activations) instead of ``mem_p + N mem_a``. ``"auto"`` (default): the DP chooses per stage
+  where that lets it fit or hold more micro-batches in flight; only layers whose program has no
+  collective in its forward may recompute (a stage on one device, or data-parallel).
 * **Data-parallel replicas** (``replicas=R``, :mod:`hapc.pipeline.replicas`): the DP runs on one
   replica's devices with ``B = M / R`` micro-batches, the all-reduce across replicas added to each
   layer's ``sync``; Eq. 12 is then one replica's step, every replica's (they run side by side).
@@ -39,13 +45,14 @@ import numpy as np
 
 from ..cluster import Cluster, Link
 from ..errors import HapcError
-from .dp import CostTable, GroupSpec, Links, Option, PipelineDP
+from .dp import RECOMPUTE, CostTable, GroupSpec, Links, Option, PipelineDP
 from .layers import Layer, build_layers
 from .schedule import HARP_EPSILON
 from .stagecost import StageCoster, submesh_sizes
 
-#: 2: data-parallel replicas (``replicas``, ``layout``, a stage's ``replica_sync``)
-VERSION = 2
+#: 2: data-parallel replicas (``replicas``, ``layout``, a stage's ``replica_sync``); 3: a stage's
+#: ``recompute`` and ``mem_in`` (a version-2 plan reads as one without recomputation)
+VERSION = 3
 
 
 class PlanningError(HapcError):
@@ -72,6 +79,10 @@ class PipelineStage:
     memory: float  # peak bytes per device: mem_param + min(warmup, num_micro) * mem_act
     nodes: tuple[int, int] = (0, 0)  # first and last op node of the stage in the reference graph
     replica_sync: float = 0.0  # the all-reduce across the replicas of this stage, once per step (in sync)
+    # activations recomputed in backward: bwd includes the forward run again, and memory is
+    # mem_param + min(warmup, num_micro) * mem_in + mem_act (mem_in: the stage's input per micro-batch)
+    recompute: bool = False
+    mem_in: float = 0.0
 
 
 @dataclass
@@ -101,13 +112,14 @@ class PipelinePlan:
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> PipelinePlan:
-        if data.get("version") != VERSION:
+        if data.get("version") not in (2, VERSION):
             raise HapcError(
                 f"pipeline plan format version {data.get('version')!r}, but this hapc reads version {VERSION} "
-                "(version 2 added data-parallel replicas); plan again with this hapc (hapc synth --pipeline "
-                "--json PLAN, or hapc.pipeline.plan_pipeline)"
+                "(version 2 added data-parallel replicas, 3 recomputation); plan again with this hapc "
+                "(hapc synth --pipeline --json PLAN, or hapc.pipeline.plan_pipeline)"
             )
         d = dict(data)
+        d["version"] = VERSION
         d["stages"] = [PipelineStage(**{**s, "nodes": tuple(s["nodes"])}) for s in d["stages"]]
         return PipelinePlan(**d)
 
@@ -137,7 +149,9 @@ class PipelinePlan:
                 f"{self.num_micro} micro-batches each (sub-mesh: devices of one replica)"
             )
         tab = Table(title=title)
-        for col in ("stage", "layers", "group", "sub-mesh", "fwd ms", "bwd ms", "t ms", "c ms", "link", "N", "GiB"):
+        cols = ("stage", "layers", "group", "sub-mesh", "fwd ms", "bwd ms", "t ms", "c ms", "link", "N", "GiB")
+        cols += ("recompute",)
+        for col in cols:
             tab.add_column(col, justify="right")
         for k, s in enumerate(self.stages):
             devs = f"{s.devices[0]}..{s.devices[-1]}" if len(s.devices) > 1 else str(s.devices[0])
@@ -153,6 +167,7 @@ class PipelinePlan:
                 s.link,
                 str(s.warmup),
                 f"{s.memory / 2**30:.2f}",
+                "full" if s.recompute else "-",
             )
         con = Console(width=140, record=True, file=_Null())
         con.print(tab)
@@ -223,7 +238,11 @@ def cost_table(
     if not rows:
         raise PlanningError(f"no group has a sub-mesh of {list(sizes or [])} devices")
     stack = {key: np.stack([getattr(r, key) for r in rows]) for key in ("fwd", "bwd", "sync", "mem_param", "mem_act")}
-    return CostTable(options, **stack, out_bytes=np.array([float(x.out_bytes) for x in layers]))
+    # recomputation only where a layer's forward runs no collective (hapc.pipeline.recompute)
+    comm = np.stack([r.fwd_comm if r.fwd_comm is not None else np.zeros_like(r.fwd) for r in rows])
+    return CostTable(
+        options, **stack, out_bytes=np.array([float(x.out_bytes) for x in layers]), recomputable=comm == 0
+    )
 
 
 def solve(
@@ -236,17 +255,19 @@ def solve(
     layers: Sequence[Layer] | None = None,
     memory_factor: float = 4.0,
     cluster_name: str = "",
+    recompute: str = "auto",
 ) -> PipelinePlan:
     """Run the DP on a cost table and turn the optimum into a :class:`PipelinePlan`."""
     if num_micro < 1:
         raise HapcError(f"num_micro must be >= 1, got {num_micro}")
+    _check_recompute(recompute)
     t0 = time.perf_counter()
-    dp = PipelineDP(table, groups, links, num_micro, epsilon)
+    dp = PipelineDP(table, groups, links, num_micro, epsilon, recompute)
     t1 = time.perf_counter()
     sol = dp.solve()
     t2 = time.perf_counter()
     if sol is None:
-        raise PlanningError(_why_infeasible(table, groups, num_micro))
+        raise PlanningError(_why_infeasible(table, groups, num_micro, recompute))
     stages = []
     for sc, n in zip(sol.stages, sol.warmups):
         opt = table.options[sc.option]
@@ -255,14 +276,17 @@ def solve(
         rng = slice(sc.lo, sc.hi)
         mp, ma = float(table.mem_param[sc.option, rng].sum()), float(table.mem_act[sc.option, rng].sum())
         nodes = (layers[sc.lo].first, layers[sc.hi - 1].last) if layers is not None else (0, 0)
+        fwd, bwd = float(table.fwd[sc.option, rng].sum()), float(table.bwd[sc.option, rng].sum())
+        mi = float(table.in_bytes()[sc.lo]) if sc.recompute else 0.0
+        held = mp + min(n, num_micro) * mi + ma if sc.recompute else mp + min(n, num_micro) * ma
         stages.append(
             PipelineStage(
                 sc.lo,
                 sc.hi,
                 g.name,
                 list(range(local, local + opt.size)),
-                float(table.fwd[sc.option, rng].sum()),
-                float(table.bwd[sc.option, rng].sum()),
+                fwd,
+                bwd + fwd if sc.recompute else bwd,  # HARP fn. 2: recomputation is in the backward
                 float(table.sync[sc.option, rng].sum()),
                 sc.time,
                 sc.comm,
@@ -270,8 +294,10 @@ def solve(
                 mp,
                 ma,
                 n,
-                mp + min(n, num_micro) * ma,
+                held,
                 nodes,
+                recompute=sc.recompute,
+                mem_in=mi,
             )
         )
     return PipelinePlan(
@@ -301,7 +327,15 @@ def load_balance(stages: Sequence[PipelineStage], groups: Sequence[GroupSpec]) -
     return 1.0 - sum((tmax - t) * f for t, f in td) / (tmax * sum(f for _, f in td))
 
 
-def _why_infeasible(table: CostTable, groups: Sequence[GroupSpec], num_micro: int) -> str:
+def _check_recompute(recompute: str) -> None:
+    if recompute not in RECOMPUTE:
+        raise HapcError(
+            f"recompute must be one of {', '.join(map(repr, RECOMPUTE))} (the planner chooses, none, every stage), "
+            f"got {recompute!r}"
+        )
+
+
+def _why_infeasible(table: CostTable, groups: Sequence[GroupSpec], num_micro: int, recompute: str = "auto") -> str:
     fewest = 0  # every device is used, a stage per sub-mesh: the fewest stages the groups allow
     for k, g in enumerate(groups):
         biggest = max((o.size for o in table.options if o.group == k), default=0)
@@ -328,11 +362,12 @@ def _why_infeasible(table: CostTable, groups: Sequence[GroupSpec], num_micro: in
             f"{have / gib:.2f} GiB in all, short by {(need - have) / gib:.2f} GiB; add devices, shrink the "
             "micro-batch or the model"
         )
+    hint = " or recompute='auto' (activations recomputed in backward)," if recompute == "never" else ""
     return (
         f"no pipeline fits: the model needs {need / gib:.2f} GiB of the cluster's {have / gib:.2f} GiB but no split "
         "into stages keeps every device within its memory (HARP Eq. 18 with the H-1F1B in-flight counts) and "
-        "every link within t_max; use fewer micro-batches in flight (smaller num_micro), a smaller micro-batch, "
-        "or more memory"
+        "every link within t_max; use fewer micro-batches in flight (smaller num_micro), a smaller micro-batch,"
+        f"{hint} or more memory"
     )
 
 
@@ -353,6 +388,7 @@ def plan_pipeline(
     cache: dict | None = None,
     sizes: Sequence[int] | None = None,
     baseline: str | None = None,
+    recompute: str = "auto",
 ) -> PipelinePlan:
     """Plan a HARP pipeline of ``model`` over ``cluster`` (``example_inputs``: one micro-batch).
 
@@ -363,10 +399,12 @@ def plan_pipeline(
     a stage may take (default: 1, 2, 4 .. a host, then whole hosts); ``baseline``: each stage's
     program restricted to that baseline's triples (:class:`StageCoster`). The Megatron-3D baseline
     is ``sizes=[t], baseline="tp"`` with ``R`` replicas: TP of degree ``t`` inside a host, stages
-    across hosts, ``R``-way data parallelism."""
+    across hosts, ``R``-way data parallelism. ``recompute``: ``"auto"`` (the DP chooses per stage
+    where memory binds), ``"never"`` or ``"always"`` (every stage, where its layers allow it)."""
     from ..theory import derive, trace
     from .replicas import replica_cluster, sync_seconds_per_byte
 
+    _check_recompute(recompute)
     whole = Cluster.load(cluster) if not isinstance(cluster, Cluster) else cluster
     if replicas > 1 and num_micro % replicas:
         raise HapcError(
@@ -406,6 +444,7 @@ def plan_pipeline(
         layers=layers,
         memory_factor=memory_factor,
         cluster_name=whole.name,
+        recompute=recompute,
     )
     plan.replicas, plan.layout = replicas, layout
     for s in plan.stages:

@@ -90,7 +90,9 @@ class PipelineSpec:
     its first backward; ``num_micro``: micro-batches per step of the global batch. ``replicas``:
     data-parallel replicas of the pipeline, ``replicas[r][k]`` the global ranks of stage ``k`` in
     replica ``r`` (empty: one replica, ``ranks``; else ``ranks`` is ``replicas[0]``); each replica
-    runs ``num_micro / R`` micro-batches and the warm-up counts are per replica."""
+    runs ``num_micro / R`` micro-batches and the warm-up counts are per replica. ``recompute[k]``:
+    stage ``k`` recomputes its activations in backward (:mod:`hapc.pipeline.recompute`; empty:
+    none does)."""
 
     cuts: list[int]
     ranks: list[list[int]]
@@ -99,6 +101,7 @@ class PipelineSpec:
     num_micro: int
     plans: list[Plan] = field(default_factory=list)
     replicas: list[list[list[int]]] = field(default_factory=list)
+    recompute: list[bool] = field(default_factory=list)
 
     @property
     def all_replicas(self) -> list[list[list[int]]]:
@@ -110,6 +113,10 @@ class PipelineSpec:
             raise HapcError(
                 f"pipeline spec: {len(self.cuts)} cuts, {S} rank lists, {len(self.clusters)} clusters and "
                 f"{len(self.warmups)} warm-up counts; a pipeline of S stages needs S - 1 cuts and S of the others"
+            )
+        if self.recompute and len(self.recompute) != S:
+            raise HapcError(
+                f"pipeline spec: {len(self.recompute)} recompute flags for {S} stages; give one per stage or none"
             )
         reps = self.all_replicas
         if reps[0] != self.ranks:
@@ -244,6 +251,13 @@ class PipelineModule(nn.Module):
             elsewhere=elsewhere,
             loss_sync="eager",
         )
+        # this stage recomputes its activations in backward (the planner's choice): its program's runs
+        # between collectives are checkpointed
+        self.recomputes = bool(spec.recompute and spec.recompute[self.stage])
+        if self.recomputes:
+            from .recompute import recompute_program
+
+            recompute_program(self.module.program)
         # clip_grad_norm_ over this stage's parameters adds up every stage's gradients (one all-reduce)
         install_pipeline_norms(self.module, self.job, rank == self.relay0[self.stage])  # one replica counts
         self.device = self.module.device

@@ -25,7 +25,9 @@ Per layer and sub-mesh kind (per device; homogeneous sub-meshes have equal shard
 * ``mem_param``: parameter bytes x ``memory_factor`` (4 = weights, gradients and two Adam moments,
   all in the parameter dtype; the synthesizer's convention);
 * ``mem_act``: activation bytes saved for the backward of one micro-batch (what each in-flight
-  micro-batch of H-1F1B holds, HARP Eq. 18).
+  micro-batch of H-1F1B holds, HARP Eq. 18);
+* ``fwd_comm``: whether the layer's program runs a collective in its forward (such a layer is not
+  planned to recompute: :mod:`hapc.pipeline.recompute` keeps collectives' outputs instead).
 
 Sub-meshes mixing groups (HAP ratios inside a stage) are not planned yet: HARP's DP places a
 stage in one group, and so does :mod:`hapc.pipeline.planner`.
@@ -117,6 +119,7 @@ class LayerCosts:
     mem_param: np.ndarray
     mem_act: np.ndarray
     program_time: float  # the synthesized whole-model program's time (fwd + bwd + sync)
+    fwd_comm: np.ndarray | None = None  # 1.0 where the layer's forward runs a collective
 
 
 class StageCoster:
@@ -202,7 +205,7 @@ class StageCoster:
         """Per-layer costs of ``result`` (a program of ``space``): each segment's triples priced by
         :meth:`~hapc.synth.cost.CostModel.breakdown` and added to its layer."""
         L = len(self.layers)
-        out = {k: np.zeros(L) for k in ("fwd", "bwd", "sync", "mem_param", "mem_act")}
+        out = {k: np.zeros(L) for k in ("fwd", "bwd", "sync", "mem_param", "mem_act", "fwd_comm")}
         th = self.theory.triples
         memo: dict[tuple[int, ...], tuple[float, ...]] = {}
         for seg, part in zip(space.segments, result.parts):
@@ -223,8 +226,10 @@ class StageCoster:
                 r = ratios[0]
                 mp = sum(c.param_bytes.at(r) for c in costs) * self.memory_factor
                 ma = sum(c.act_bytes.at(r) for c in costs)
-                memo[key_p] = (f, b, s, mp, ma)
-            f, b, s, mp, ma = memo[key_p]
+                fc = float(model.m > 1 and any(c.fwd_comm for c in costs))
+                memo[key_p] = (f, b, s, mp, ma, fc)
+            f, b, s, mp, ma, fc = memo[key_p]
+            out["fwd_comm"][li] = max(out["fwd_comm"][li], fc)
             out["fwd"][li] += f
             out["bwd"][li] += b
             out["sync"][li] += s
