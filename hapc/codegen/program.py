@@ -28,7 +28,7 @@ from ..theory.props import Layout
 from ..theory.strategy import OUT, LocalCall, Operand, ShardMarker, Strategy, StreamMarker
 from ..theory.trace import CurrentDevice
 from ..theory.triples import Theory
-from .regions import REGION, checkpoint_regions
+from .regions import AUTOCAST, REGION, autocast_regions, checkpoint_regions
 
 #: convolutions whose bias add the program fuses back, by their number of spatial dims
 _CONVS: dict[Callable, int] = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
@@ -183,11 +183,14 @@ class RankProgram:
                 for ins in triple:
                     last = g._root.prev  # the nodes after it are this instruction's
                     out = self.emit(ins)
-                    region = self.theory.graph[ins.ref].region
-                    if region is not None and isinstance(ins, (Compute, Collective)):
+                    ref = self.theory.graph[ins.ref]
+                    if isinstance(ins, (Compute, Collective)) and (ref.region is not None or ref.autocast):
                         n = last.next
-                        while n is not g._root:  # recomputed in backward (hapc.codegen.regions)
-                            n.meta[REGION] = region
+                        while n is not g._root:  # hapc.codegen.regions
+                            if ref.region is not None:  # recomputed in backward
+                                n.meta[REGION] = ref.region
+                            if ref.autocast:  # run under the model's torch.autocast contexts
+                                n.meta[AUTOCAST] = ref.autocast
                             n = n.next
                     if isinstance(ins, Loss):
                         loss = out
@@ -275,6 +278,8 @@ class RankProgram:
                     continue
                 if len(lin.users) != 1 or bias.op != "get_attr" or bias.target not in self.state:
                     continue
+                if lin.meta.get(AUTOCAST) != add.meta.get(AUTOCAST):  # one in an autocast region, one not
+                    continue
                 weight = lin.args[1]
                 if not (isinstance(weight, fx.Node) and weight.op == "get_attr" and weight.target in self.state):
                     continue
@@ -287,8 +292,9 @@ class RankProgram:
                 args = (lin.args[0], weight, bias) if view is None else (lin.args[0], weight, bias, *lin.args[3:])
                 with g.inserting_before(add):
                     fused = g.call_function(lin.target, args)
-                if REGION in add.meta:
-                    fused.meta[REGION] = add.meta[REGION]
+                for mark in (REGION, AUTOCAST):
+                    if mark in add.meta:
+                        fused.meta[mark] = add.meta[mark]
                 add.replace_all_uses_with(fused)
                 g.erase_node(add)
                 g.erase_node(lin)
@@ -335,6 +341,7 @@ class RankProgram:
         and ``device``."""
         gm = fx.GraphModule(root, self.graph, class_name=f"Rank{self.rank}")
         checkpoint_regions(gm)  # the model's torch.utils.checkpoint regions, recomputed in backward
+        autocast_regions(gm)  # and its torch.autocast regions, run under the contexts it entered
         return gm
 
     def emit(self, ins: Any) -> fx.Node | None:

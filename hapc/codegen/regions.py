@@ -23,6 +23,7 @@ Two things make the recomputation exact:
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import warnings
 from typing import Any
@@ -33,6 +34,8 @@ from torch.utils.checkpoint import checkpoint
 
 #: the key under which program nodes carry their region
 REGION = "hapc_region"
+#: the key under which program nodes carry the ``torch.autocast`` contexts the model ran them under
+AUTOCAST = "hapc_autocast"
 
 
 def checkpointed(region: torch.nn.Module, rng: Any, *args: Any) -> tuple:
@@ -58,14 +61,15 @@ def _breaks(n: fx.Node) -> bool:
     return name == "wait" or name.endswith("_start")
 
 
-def _runs(graph: fx.Graph) -> list[list[fx.Node]]:
+def _runs(graph: fx.Graph, mark: str) -> list[list[fx.Node]]:
+    """The runs of consecutive computing nodes with one (not ``None``) value of ``meta[mark]``."""
     runs: list[list[fx.Node]] = []
     current: list[fx.Node] = []
     key = None
     for n in graph.nodes:
         if n.op == "get_attr":  # a parameter read between a region's ops does not end it (moved before it)
             continue
-        k = n.meta.get(REGION) if n.op in ("call_function", "call_method", "call_module") and not _breaks(n) else None
+        k = n.meta.get(mark) if n.op in ("call_function", "call_method", "call_module") and not _breaks(n) else None
         if k is not None and k == key:
             current.append(n)
             continue
@@ -82,6 +86,39 @@ def _communicates(n: fx.Node) -> bool:
     return getattr(target, "__module__", "").startswith("hapc.collectives")
 
 
+def _outline(gm: fx.GraphModule, run: list[fx.Node], name: str, target: Any, lead: tuple) -> bool:
+    """Move ``run`` into a submodule ``name`` of ``gm`` called as ``target(module, *lead, *inputs)``
+    (returning a tuple of the run's values read outside it); ``False`` where nobody reads them."""
+    g = gm.graph
+    inside = set(run)
+    inputs: list[fx.Node] = []
+    for n in run:
+        for a in n.all_input_nodes:
+            if a not in inside and a not in inputs:
+                inputs.append(a)
+    outputs = [n for n in run if any(u not in inside for u in n.users)]
+    if not outputs:
+        return False
+    pos = {n: i for i, n in enumerate(g.nodes)}
+    for a in inputs:  # parameter reads interleaved with the run: before it (they read nothing)
+        if a.op == "get_attr" and pos[a] > pos[run[0]]:
+            run[0].prepend(a)
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {a: sub.placeholder(a.name) for a in inputs}
+    for n in run:
+        env[n] = sub.node_copy(n, env.__getitem__)
+    sub.output(tuple(env[o] for o in outputs))
+    gm.add_submodule(name, fx.GraphModule(gm, sub, class_name=name[0].upper() + name[1:]))
+    with g.inserting_before(run[0]):
+        module = g.get_attr(name)
+        call = g.call_function(target, (module, *lead, *inputs), name=f"{name}_out")
+        for i, o in enumerate(outputs):
+            o.replace_all_uses_with(g.call_function(operator.getitem, (call, i), name=f"{o.name}_r"))
+    for n in reversed(run):
+        g.erase_node(n)
+    return True
+
+
 def checkpoint_regions(gm: fx.GraphModule) -> int:
     """Move each run of consecutive nodes of one region into a submodule called through
     :func:`checkpointed`; returns how many regions were made. A run whose values nobody outside reads
@@ -89,41 +126,21 @@ def checkpoint_regions(gm: fx.GraphModule) -> int:
     made = skipped = 0
     g = gm.graph
     rng = getattr(gm, "rng", None)
-    for run in _runs(g):
+    for run in _runs(g, REGION):
         if any(_communicates(n) for n in run):
             skipped += 1
             continue
-        inside = set(run)
-        inputs: list[fx.Node] = []
-        for n in run:
-            for a in n.all_input_nodes:
-                if a not in inside and a not in inputs:
-                    inputs.append(a)
-        outputs = [n for n in run if any(u not in inside for u in n.users)]
-        if not outputs:
-            continue
-        pos = {n: i for i, n in enumerate(g.nodes)}
-        for a in inputs:  # parameter reads interleaved with the run: before it (they read nothing)
-            if a.op == "get_attr" and pos[a] > pos[run[0]]:
-                run[0].prepend(a)
-        sub = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {a: sub.placeholder(a.name) for a in inputs}
-        for n in run:
-            env[n] = sub.node_copy(n, env.__getitem__)
-        sub.output(tuple(env[o] for o in outputs))
-        name = f"region{made}"
-        gm.add_submodule(name, fx.GraphModule(gm, sub, class_name=f"Region{made}"))
-        with g.inserting_before(run[0]):
-            module = g.get_attr(name)
-            with warnings.catch_warnings():  # fx asks get_attr targets to be modules or tensors; rng is neither
+        if rng is not None:
+            with g.inserting_before(run[0]), warnings.catch_warnings():
+                # fx asks get_attr targets to be modules or tensors; rng is neither
                 warnings.simplefilter("ignore", UserWarning)
-                stream = g.get_attr("rng") if rng is not None else None
-            call = g.call_function(checkpointed, (module, stream, *inputs), name=f"{name}_out")
-            for i, o in enumerate(outputs):
-                o.replace_all_uses_with(g.call_function(operator.getitem, (call, i), name=f"{o.name}_r"))
-        for n in reversed(run):
-            g.erase_node(n)
-        made += 1
+                stream = g.get_attr("rng")
+        else:
+            stream = None
+        if _outline(gm, run, f"region{made}", checkpointed, (stream,)):
+            made += 1
+        elif stream is not None:
+            g.erase_node(stream)
     if skipped:
         warnings.warn(
             f"{skipped} torch.utils.checkpoint region(s) communicate under this plan and are not recomputed: "
@@ -134,4 +151,33 @@ def checkpoint_regions(gm: fx.GraphModule) -> int:
     if made:
         g.lint()
         gm.recompile()
+    return made
+
+
+def autocasted(region: torch.nn.Module, states: tuple, *args: Any) -> tuple:
+    """``region(*args)`` under the ``torch.autocast`` contexts the model entered around these ops, outermost
+    first: ``states`` holds ``(device_type, dtype, enabled, cache_enabled)`` each, as captured
+    (:func:`hapc.theory.trace.autocast_regions`). ``enabled=False`` contexts (a model keeping rotary
+    embeddings in float32 under the caller's autocast) are re-entered too, so the region computes in the
+    dtypes it does on one device whatever autocast the training loop runs under."""
+    with contextlib.ExitStack() as stack:
+        for device, dtype, enabled, cache in states:
+            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache))
+        return region(*args)
+
+
+def autocast_regions(gm: fx.GraphModule) -> int:
+    """Move each run of consecutive nodes the model ran under one stack of ``torch.autocast`` contexts
+    (``meta[AUTOCAST]``) into a submodule ``autocast{k}`` called through :func:`autocasted`, in ``gm``
+    and in its checkpoint regions' submodules (whose nodes keep their marks); returns how many."""
+    made = 0
+    for mod in [gm, *(m for m in gm.children() if isinstance(m, fx.GraphModule))]:
+        count = 0
+        for run in _runs(mod.graph, AUTOCAST):
+            if _outline(mod, run, f"autocast{count}", autocasted, (run[0].meta[AUTOCAST],)):
+                count += 1
+        if count:
+            mod.graph.lint()
+            mod.recompile()
+        made += count
     return made

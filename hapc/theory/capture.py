@@ -221,6 +221,7 @@ class _Translator:
         self.inputs: dict[str, Any] = {}
         self.origin: dict[fx.Node, str] = {}  # new node -> "param"/"buffer"/"input"/view op name
         self.bn_counters = _batch_norm_counters(model)
+        self.autocast: list[tuple] = []  # the wrap_with_autocast regions being inlined, outermost first
 
     # -- sources ------------------------------------------------------------------------------
     def run(self) -> tuple[fx.GraphModule, dict[str, Any]]:
@@ -283,6 +284,8 @@ class _Translator:
         target = node.target
         args, kwargs = self.load(node.args), self.load(node.kwargs)
         if target is operator.getitem:
+            if isinstance(args[0], (tuple, list)):  # of an inlined higher-order op's results
+                return args[0][args[1]]
             return self.emit(operator.getitem, args, {}, node)
         if isinstance(target, torch._ops.HigherOrderOperator):
             return self.higher_order(node, args)
@@ -427,7 +430,13 @@ class _Translator:
             enabled, sub, *operands = args
             return self.inline(sub, operands, detach=not enabled)
         if name == "wrap_with_autocast":  # (device, dtype, enabled, cache, subgraph, *operands)
-            return self.inline(args[4], list(args[5:]), detach=False)
+            device, dtype, enabled, cache = args[:4]
+            cache = torch.is_autocast_cache_enabled() if cache is None else cache
+            self.autocast.append((str(device), dtype, bool(enabled), bool(cache)))
+            try:  # its ops run under the same context in the per-rank program (codegen.regions)
+                return self.inline(args[4], list(args[5:]), detach=False)
+            finally:
+                self.autocast.pop()
         raise TraceError(f"{name} at {_where(node)}: hapc cannot capture this construct yet")
 
     def inline(self, sub: fx.GraphModule, operands: list[Any], detach: bool) -> Any:
@@ -455,6 +464,8 @@ class _Translator:
         region = node.meta.get("custom", {}).get("hapc_region")
         if region is not None:  # a torch.utils.checkpoint region (see trace.checkpoint_regions)
             out.meta["hapc_region"] = region
+        if self.autocast:  # inside torch.autocast contexts (see higher_order)
+            out.meta["hapc_autocast"] = tuple(self.autocast)
         return out
 
     def translate(self, name: str, target: Any, args: tuple, kwargs: dict, node: fx.Node) -> Any:

@@ -17,14 +17,15 @@ takes when it accumulates a tensor's gradient from several readers.
 creation of constant tensors, contractions and normalisations without state. Never random ops
 (dropout draws per op, so two dropouts are two masks), ops that update state (``batch_norm``'s
 running statistics), a user's registered ops or leaf modules (hapc cannot know they are pure), or
-ops inside different ``torch.utils.checkpoint`` regions (recomputation is per region). Nor *static
+ops inside different ``torch.utils.checkpoint`` regions (recomputation is per region) or under
+different ``torch.autocast`` contexts (one computes in bfloat16, the other not). Nor *static
 data* (buffers and what they alone compute: Llama's ``cos.unsqueeze(1)`` in every layer): the
 synthesizer keeps it replicated in one layout and recomputes it next to each reader, so a copy per
 layer costs nothing, while one shared copy would be carried in the state across every layer
 (merged, tiny-to-published Llama synthesis took 5x longer). Two nodes
 merge when their op, target, constant arguments (compared with their types: ``1``, ``1.0`` and
-``True`` differ, as do ``0.0`` and ``-0.0``), operands (after merging), checkpoint region and
-result shape and dtype are all equal.
+``True`` differ, as do ``0.0`` and ``-0.0``), operands (after merging), checkpoint region, autocast
+contexts and result shape and dtype are all equal.
 
 >>> # x = mask_of(ids); a = torch.where(x, bias, -inf); b = torch.where(x, bias, -inf)
 >>> # merge_common(nodes) == {b.index: a.index}: every reader of b reads a
@@ -109,7 +110,8 @@ def merge_common(nodes: Sequence[RefNode]) -> dict[int, int]:
             continue
         args, kwargs = map_refs((n.args, n.kwargs), lambda r: Ref(canon.get(r.index, r.index)))
         try:
-            key = (n.op, n.target, n.is_method, n.out_index, n.region, n.meta, _frozen(args), _frozen(kwargs))
+            where = (n.region, n.autocast)  # the checkpoint region and the autocast contexts
+            key = (n.op, n.target, n.is_method, n.out_index, where, n.meta, _frozen(args), _frozen(kwargs))
             hash(key)
         except (_Unhashable, TypeError):
             continue

@@ -92,6 +92,7 @@ class RefNode:
     source: str = ""  # "file.py:12: <code>" for error messages
     users: list[int] = field(default_factory=list)
     region: int | None = None  # the torch.utils.checkpoint call it ran in (recomputed in backward)
+    autocast: tuple = ()  # the torch.autocast contexts it ran under: ((device, dtype, enabled, cache), ...)
 
     @property
     def operands(self) -> list[int]:

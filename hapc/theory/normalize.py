@@ -200,6 +200,8 @@ def normalise_modules(gm: fx.GraphModule) -> None:
             n.meta["stack_trace"] = node.meta.get("stack_trace")
             if "hapc_region" in node.meta:  # and stay in its torch.utils.checkpoint region
                 n.meta["hapc_region"] = node.meta["hapc_region"]
+            if "hapc_autocast" in node.meta:  # and under its torch.autocast contexts
+                n.meta["hapc_autocast"] = node.meta["hapc_autocast"]
             n = n.prev
         node.replace_all_uses_with(new)
         g.erase_node(node)

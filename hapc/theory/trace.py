@@ -180,6 +180,7 @@ class _Tracer(fx.Tracer):
         # queue) would never reach the program
         self.proxy_buffer_attributes = True
         self.region: int | None = None  # the torch.utils.checkpoint call being traced (see _regions)
+        self.autocast: list[tuple] = []  # the torch.autocast contexts entered meanwhile (autocast_regions)
         self.example_inputs = example_inputs
         self._placeholders = 0
         self.device = _example_device(example_inputs)
@@ -241,6 +242,8 @@ class _Tracer(fx.Tracer):
         p.node.meta["stack_trace"] = _model_frame()
         if self.region is not None:
             p.node.meta["hapc_region"] = self.region
+        if self.autocast:
+            p.node.meta["hapc_autocast"] = tuple(self.autocast)
         try:
             p.node.meta["hapc_val"] = self._meta_value(p.node)
         except Exception:  # the authoritative propagation after tracing reports real problems
@@ -445,6 +448,36 @@ def _user_file(filename: str) -> bool:
 
 
 @contextlib.contextmanager
+def autocast_regions(stack: list[tuple]) -> Any:
+    """While capturing, every ``torch.autocast`` the model enters in its forward (a ``with`` block or
+    the decorator; ``torch.cpu.amp`` / ``torch.cuda.amp`` too; ``enabled=False`` ones included) is
+    pushed on ``stack`` as ``(device_type, dtype, enabled, cache_enabled)`` until it exits; the tracer
+    marks each node made meanwhile with the stack (``meta["hapc_autocast"]``) and the per-rank program
+    runs those nodes under the same contexts (:func:`hapc.codegen.regions.autocast_regions`). Without
+    this, fx would trace through the ``with`` block as if it were not there: the distributed program
+    would compute in float32 what one device computes in bfloat16 (or the reverse, under the training
+    loop's autocast). Patched: ``torch.autocast``'s ``__enter__`` / ``__exit__``."""
+    cls = torch.amp.autocast_mode.autocast
+    enter, leave = cls.__enter__, cls.__exit__
+
+    def entered(self: Any) -> Any:
+        out = enter(self)
+        stack.append((str(self.device), self.fast_dtype, bool(self._enabled), bool(self._cache_enabled)))
+        return out
+
+    def left(self: Any, *exc: Any) -> Any:
+        if stack:
+            stack.pop()
+        return leave(self, *exc)
+
+    cls.__enter__, cls.__exit__ = entered, left
+    try:
+        yield
+    finally:
+        cls.__enter__, cls.__exit__ = enter, leave
+
+
+@contextlib.contextmanager
 def checkpoint_regions(enter: Any) -> Any:
     """While capturing, ``torch.utils.checkpoint.checkpoint(fn, *args)`` (either variant, and so
     ``checkpoint_sequential`` and Hugging Face's gradient checkpointing) runs ``fn(*args)`` directly
@@ -561,7 +594,12 @@ def _trace_fx(model: nn.Module, example_inputs: Any, leaf_modules: Sequence[type
 
     with _meta_kernels_without_dynamo():
         try:
-            with checkpoint_regions(enter), CaptureDraws(tracer, _where), _scripted_functions_as_python(model):
+            with (
+                checkpoint_regions(enter),
+                autocast_regions(tracer.autocast),
+                CaptureDraws(tracer, _where),
+                _scripted_functions_as_python(model),
+            ):
                 graph = tracer.trace(model, concrete_args=_none_inputs(model, example_inputs))
         except TraceError as exc:
             raise TraceError(f"cannot trace {type(model).__name__}: {exc}") from exc
@@ -954,10 +992,12 @@ class _Builder:
         self.attr_refs: dict[str, Ref] = {}
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.region: int | None = None  # of the fx node being built (torch.utils.checkpoint)
+        self.autocast: tuple = ()  # of the fx node being built (its torch.autocast contexts)
 
     def add(self, **fields: Any) -> Ref:
         if fields.get("kind") == OP:
             fields.setdefault("region", self.region)
+            fields.setdefault("autocast", self.autocast)
         node = RefNode(index=len(self.nodes), **fields)
         self.nodes.append(node)
         return Ref(node.index)
@@ -994,6 +1034,7 @@ class _Builder:
         for n in self.gm.graph.nodes:
             v = self.values.get(n)
             self.region = n.meta.get("hapc_region")
+            self.autocast = n.meta.get("hapc_autocast", ())
             if capture == "fx" and n.op in ("call_function", "call_method"):
                 self._refuse_writes(n)
             if n.op == "placeholder":
