@@ -50,6 +50,14 @@ def groups(between: str = "100 MB/s", memory: str = "8 GiB", per_group: int = 2)
     )
 
 
+# The tests of the kind choice fix the micro-batch count (``num_micro=MICRO``, an override): the
+# kinds are priced as with the searched count, in a quarter of the time (the search prices 8, 4, 2
+# and 1 micro-batches). The searched default is checked by test_the_micro_batch_count_is_chosen_by_cost
+# (exhaustively), test_compile_follows_the_planner_and_the_overrides, test_one_training_loop_serves_every_plan_kind,
+# test_synth_lists_the_kinds_considered and tests/test_stagecost_cache.py.
+MICRO = 8
+
+
 def _times(choice) -> dict[str, float]:
     return {k.kind: k.time for k in choice.kinds}
 
@@ -73,7 +81,7 @@ def test_the_cheaper_kind_is_chosen(between, want):
     micro-batch) beats SPMD (collectives and the gradient all-reduce cross it); across a fast one
     SPMD wins. Both are priced (finite) each time, and the choice is their argmin."""
     model, inputs = load("gpt", batch=8)
-    choice = choose_plan(model, groups(between), inputs)
+    choice = choose_plan(model, groups(between), inputs, num_micro=MICRO)
     times = _times(choice)
     assert all(math.isfinite(t) for t in times.values()), choice.describe()
     _check_argmin(choice)
@@ -90,7 +98,7 @@ def test_every_priced_kind_has_an_efficiency_over_the_same_ideal_time():
     """Efficiency = (the step's model flops / the cluster's peak flop/s) / predicted time, for the
     pipeline kinds as for SPMD (``Plan.efficiency``): one ideal time, so efficiencies rank as times."""
     model, inputs = load("gpt", batch=8)
-    choice = choose_plan(model, groups("100 MB/s"), inputs)
+    choice = choose_plan(model, groups("100 MB/s"), inputs, num_micro=MICRO)
     spmd = choose_plan(model, groups("100 MB/s"), inputs, kinds=("spmd",)).plan
     ideal = spmd.efficiency * spmd.time
     priced = [k for k in choice.kinds if math.isfinite(k.time)]
@@ -119,7 +127,7 @@ def test_an_infeasible_kind_is_reported_not_raised():
     """Devices too small for SPMD's replicated weights and whole-batch activations, but not for
     a pipeline's stages: SPMD is reported infeasible (with the memory shortfall), the pipeline runs."""
     model, inputs = load("gpt", batch=8)
-    choice = choose_plan(model, groups("10 GB/s", memory="400 KiB"), inputs)
+    choice = choose_plan(model, groups("10 GB/s", memory="400 KiB"), inputs, num_micro=MICRO)
     spmd, pipe = choice.kinds[:2]  # then the pipeline's data-parallel replicas, where they fit
     assert spmd.status == "infeasible" and math.isinf(spmd.time) and "memory" in spmd.reason
     assert choice.kind == "pipeline" and pipe.status in ("chosen", "feasible") and math.isfinite(pipe.time)
@@ -177,12 +185,12 @@ def test_a_model_returning_more_than_its_loss_is_not_pipelined_by_the_choice():
     """The choice by cost must not change what the call returns: only the SPMD module hands back a
     model's other outputs. An explicit pipeline still runs."""
     model, inputs = load("gpt", batch=8)
-    plain = choose_plan(model, groups("100 MB/s"), inputs)
+    plain = choose_plan(model, groups("100 MB/s"), inputs, num_micro=MICRO)
     assert plain.kind == "pipeline"  # the cluster where the loss-only model pipelines
-    extra = choose_plan(_WithExtra(model), groups("100 MB/s"), inputs)
+    extra = choose_plan(_WithExtra(model), groups("100 MB/s"), inputs, num_micro=MICRO)
     assert extra.kind == "spmd" and extra.kinds[1].status == "not applicable"
     assert "1 tensor(s) besides its loss" in extra.kinds[1].reason and "pipeline=True" in extra.kinds[1].reason
-    forced = choose_plan(_WithExtra(model), groups("100 MB/s"), inputs, kinds=("pipeline",))
+    forced = choose_plan(_WithExtra(model), groups("100 MB/s"), inputs, kinds=("pipeline",), num_micro=MICRO)
     assert forced.kind == "pipeline"
 
 
@@ -190,7 +198,7 @@ def test_only_the_requested_kinds_are_priced():
     model, inputs = load("gpt", batch=8)
     only = choose_plan(model, groups("100 MB/s"), inputs, kinds=("spmd",))
     assert only.kind == "spmd" and only.kinds[1].status == "overridden" and math.isinf(only.kinds[1].time)
-    forced = choose_plan(model, groups("10 GB/s"), inputs, kinds=("pipeline",))
+    forced = choose_plan(model, groups("10 GB/s"), inputs, kinds=("pipeline",), num_micro=MICRO)
     assert forced.kind == "pipeline" and forced.kinds[0].status == "overridden"
 
 
@@ -373,7 +381,7 @@ def test_synth_lists_the_kinds_considered(capsys, tmp_path, monkeypatch):
     assert "plan kinds considered" in out and "pipelined on" in out and "Eq. 12 step time" in out
     assert out.index("plan kinds considered") < out.index("pipelined on")
     assert trace.exists() and "traceEvents" in trace.read_text()
-    # a planning command writes no file unless asked (--trace FILE)
-    assert main(["synth", "gpt", "--cluster", str(path), "--arg", "batch=8"]) == 0
+    # a planning command writes no file unless asked (--trace FILE); a fixed count prices faster
+    assert main(["synth", "gpt", "--cluster", str(path), "--arg", "batch=8", "--micro", str(MICRO)]) == 0
     assert "--trace FILE" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["slow.toml", "trace.json"]
