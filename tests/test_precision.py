@@ -33,7 +33,7 @@ BF16 = torch.bfloat16
 #: parameters): bf16 keeps 8 significant bits, so one rounding moves a value by at most 2^-9 of
 #: itself. Single-device autocast rounds each matmul output once; hapc's program rounds differently
 #: in a few places per layer -- a sharded contraction rounds each rank's partial sum and the bf16
-#: all-reduce rounds their sum again, and a Linear's bias is added after the matmul's rounding (in
+#: all-reduce rounds their sum again, and a row-parallel Linear adds its bias after that rounding (in
 #: fp32) where F.linear rounds after it -- each a rounding of up to 2^-9 of the largest term of that
 #: output. Through the tiny models' 2-4 layers, the backward and 3 SGD steps these compound to a few
 #: 2^-8: the runs below measure <= ~1.3 * 2^-8 of the scale; 4 * 2^-8 (1.6 %) leaves room. A
@@ -213,6 +213,11 @@ def test_the_theory_carries_autocast_dtypes_and_fp32_master_weights():
     assert all(graph[n.index].meta.dtype == torch.float32 for n in linears)  # the traced graph is untouched
     assert all(n.meta.dtype == torch.float32 for n in half.graph if n.op in ("cross_entropy", "layer_norm"))
     assert all(n.meta.dtype == torch.float32 for n in half.graph if n.kind == "param")
+    # nn.Linear's bias add is fused back into F.linear by the program: bf16 too; the residual adds promote to fp32
+    adds = [n for n in half.graph if n.op == "add"]
+    biased = [n for n in adds if any(half.graph[o].op == "linear" for o in n.operands)]
+    assert biased and all(n.meta.dtype == BF16 for n in biased)
+    assert all(n.meta.dtype == torch.float32 for n in adds if n not in biased)
 
     def param_costs(th):  # the raw theory's source triples (unfused): a replicated parameter's own cost
         return {
@@ -312,3 +317,30 @@ def test_cli_synth_precision(tmp_path, capsys):
     assert Plan.load(out).options["precision"] == "bf16"
     with pytest.raises(SystemExit):
         main(["synth", "gpt", "--cluster", "local-cpu:2", "--precision", "int8"])
+
+
+class _Regions(torch.nn.Module):
+    """A model with its own autocast regions: a bf16 one, and an fp32 island inside it (as Llama
+    keeps its rotary embeddings in fp32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.a(x)
+            with torch.autocast("cpu", enabled=False):
+                h = self.b(h.float())
+            h = self.c(h)
+        return torch.nn.functional.mse_loss(h.float(), y)
+
+
+def test_the_models_own_autocast_regions_are_priced_in_their_dtypes():
+    """The innermost torch.autocast around an op decides its dtype, with or without precision=."""
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    graph = trace(_Regions(), (x, y))
+    for precision in (None, "bf16"):
+        th = derive(graph, precision=precision)
+        lin = [n.meta.dtype for n in th.graph if n.op == "linear"]
+        assert lin == [BF16, torch.float32, BF16], (precision, lin)

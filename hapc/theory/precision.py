@@ -16,7 +16,16 @@ float16 / float32") -- rather than by running the ops: the planner's targets are
 and the table keeps the theory device-free and deterministic whatever torch build plans it.
 CPU autocast differs on a few ops (e.g. ``layer_norm`` and ``softmax`` stay bf16 there): the
 predicted bytes are the CUDA ones, and the runtime does not depend on them (it computes with
-whatever dtypes autocast gives, and a pipeline casts its boundary tensors to the planned dtype).
+whatever dtypes autocast gives, and a pipeline sends its boundary tensors in the traced dtype).
+
+hapc's graph holds ``nn.Linear`` as ``linear`` then ``add`` of the bias; the per-rank program fuses
+them back into ``F.linear(x, w, b)`` where the bias is added locally right away, so the table gives
+that add the product's half dtype (as autocast's ``F.linear`` returns). A row-parallel linear adds
+its bias after the reduction, unfused: there the program's sum is fp32 and the table's bf16.
+
+A model's own ``torch.autocast`` regions (``RefNode.autocast``, recorded by the capture and run
+under their contexts by the program) are honoured too: the innermost context decides, with or
+without ``precision=``.
 
 Memory of the mixed-precision step per parameter: fp32 weight, gradient and two Adam moments (the
 planner's ``x4`` of the parameter's bytes, unchanged) plus autocast's half copy of every weight a
@@ -32,7 +41,7 @@ from typing import Any
 import torch
 
 from ..errors import HapcError
-from .graph import OP, RefGraph, TensorMeta
+from .graph import OP, PARAM, RefGraph, TensorMeta
 
 #: ``precision=`` values: None / the model's dtype (no autocast), or an autocast dtype
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -79,21 +88,29 @@ def autocast_dtype(precision: str | None) -> torch.dtype | None:
     return PRECISIONS[precision]
 
 
-def autocast_graph(graph: RefGraph, dtype: torch.dtype) -> RefGraph:
+def autocast_graph(graph: RefGraph, dtype: torch.dtype | None) -> RefGraph:
     """A copy of ``graph`` whose op outputs carry the dtypes of a forward under autocast to ``dtype``
-    (see the module docstring), with each op's memory traffic recomputed from them. ``graph`` is
-    left as it is."""
-    nodes = []
+    (None: no autocast around the forward) and under the model's own ``torch.autocast`` regions
+    (``RefNode.autocast``: the innermost context wins, ``enabled=False`` turns it off), with each
+    op's memory traffic recomputed from them (see the module docstring). ``graph`` is left as it is."""
+    nodes: list[Any] = []
     for n in graph:
         if n.kind != OP:
             nodes.append(replace(n))
             continue
+        half = _in_effect(n, dtype)
         ops = [nodes[o] for o in n.operands]
-        out = _out_dtype(n.op, n.meta.dtype, [o.meta.dtype for o in ops], [graph[o].meta.dtype for o in n.operands],
-                         dtype)  # fmt: skip
+        if half is None:
+            out = _promoted(n.meta.dtype, [o.meta.dtype for o in ops], [graph[o].meta.dtype for o in n.operands])
+        elif _fused_bias(graph, n):  # F.linear / F.convNd with its bias, as the program fuses it back
+            out = ops[0].meta.dtype if graph[n.operands[0]].op in LOWER else ops[1].meta.dtype
+        else:
+            now, was = [o.meta.dtype for o in ops], [graph[o].meta.dtype for o in n.operands]
+            out = _out_dtype(n.op, n.meta.dtype, now, was, half)
         m = replace(n, meta=TensorMeta(n.meta.shape, out))
         # a matmul-like op reads its operands at the half dtype (autocast's cast copies)
-        read = sum(_nbytes(o.meta, dtype if n.op in LOWER and o.meta.dtype in _CASTABLE else None) for o in ops)
+        cast = half if n.op in LOWER else None
+        read = sum(_nbytes(o.meta, cast if o.meta.dtype in _CASTABLE else None) for o in ops)
         m.mem_bytes = float(read + m.meta.nbytes)
         nodes.append(m)
     out = RefGraph(nodes, graph.module, graph.input_names)
@@ -101,6 +118,40 @@ def autocast_graph(graph: RefGraph, dtype: torch.dtype) -> RefGraph:
         if k not in ("nodes", "module", "input_names"):
             setattr(out, k, v)
     return out
+
+
+def _in_effect(n: Any, dtype: torch.dtype | None) -> torch.dtype | None:
+    """The autocast dtype node ``n`` runs under: its innermost own ``torch.autocast``, else ``dtype``."""
+    stack = getattr(n, "autocast", ())
+    if stack:
+        _, inner, enabled, *_ = stack[-1]
+        return inner if enabled else None
+    return dtype
+
+
+def _fused_bias(graph: RefGraph, n: Any) -> bool:
+    """``add(product, bias)``: a matmul-like op's only use adding a 1-d parameter (or its
+    ``view``): ``nn.Linear`` / ``nn.ConvNd``'s bias, which the per-rank program fuses back into the
+    call (:meth:`hapc.codegen.program.RankProgram._fuse_linear_bias`) so autocast casts it too."""
+    if n.op != "add" or len(n.operands) != 2:
+        return False
+    a, b = (graph[o] for o in n.operands)
+    for prod, bias in ((a, b), (b, a)):
+        if bias.op in ("view", "reshape") and len(bias.operands) == 1:
+            bias = graph[bias.operands[0]]
+        if prod.op in LOWER and len(prod.users) == 1 and bias.kind == PARAM and bias.meta.rank == 1:
+            return True
+    return False
+
+
+def _promoted(traced: torch.dtype, now: list[torch.dtype], was: list[torch.dtype]) -> torch.dtype:
+    """Without autocast an op computes in its operands' dtype: type promotion of ``now`` where the
+    traced op promoted ``was`` (otherwise the op chose its dtype itself)."""
+    floats = [d for d in now if d.is_floating_point]
+    widest = [d for d in was if d.is_floating_point]
+    if not traced.is_floating_point or not floats or not widest or traced != max(widest, key=_rank):
+        return traced
+    return max(floats, key=_rank)
 
 
 def _out_dtype(op: str, traced: torch.dtype, now: list[torch.dtype], was: list[torch.dtype], half: torch.dtype) -> Any:
@@ -113,10 +164,7 @@ def _out_dtype(op: str, traced: torch.dtype, now: list[torch.dtype], was: list[t
         return half if all(d in _CASTABLE for d in floats) else traced
     if op in FP32:
         return torch.float32 if traced in _CASTABLE else traced
-    widest = [d for d in was if d.is_floating_point]
-    if not floats or not widest or traced != max(widest, key=_rank):
-        return traced  # made from non-floats (arange, a count) or a dtype the op chose itself
-    return max(floats, key=_rank)  # type promotion: the widest floating operand
+    return _promoted(traced, now, was)  # the widest floating operand
 
 
 def _rank(d: torch.dtype) -> int:

@@ -210,12 +210,13 @@ def derive(
         precision: ``"bf16"`` / ``"fp16"``: the forward runs under autocast to that dtype, with fp32
             master weights (:mod:`hapc.theory.precision`): the theory's graph is ``graph`` with the
             autocast dtypes (activation and communication bytes), and each parameter a matmul reads
-            adds its half copy to the saved activations. ``None`` or ``"fp32"``: the model's dtype.
+            adds its half copy to the saved activations. ``None`` or ``"fp32"``: the model's dtype
+            (and its own ``torch.autocast`` regions' dtypes, with or without ``precision``).
     """
     from .precision import autocast_dtype, autocast_graph, half_copies
 
     half = autocast_dtype(precision)
-    if half is not None:
+    if half is not None or any(getattr(n, "autocast", ()) for n in graph):  # or the model's own regions
         graph = autocast_graph(graph, half)
     b = _Builder(graph, registry or default_registry, strict, sfb, tuple(variants), param_comm)
     b.half_copies = half_copies(graph, half)
