@@ -432,7 +432,7 @@ def plan_pipeline(
     by_name = {g.name: g for g in cluster.groups}
     groups = [
         GroupSpec(n, by_name[n].devices, min(by_name[n].devices_per_host, by_name[n].devices), by_name[n].memory,
-                  by_name[n].flops)
+                  by_name[n].rate(getattr(theory, "precision", None)))
         for n in names
     ]  # fmt: skip
     plan = solve(

@@ -686,7 +686,12 @@ class _Step:
         args = [self.batches[m][n] for n in pm._reads]
         if sg.receives:
             args += sg.unpack(self.acts[m])
-        self.outs[m] = pm.module(**dict(zip(pm._names, args)))  # by name: not the model's signature
+        out = pm.module(**dict(zip(pm._names, args)))  # by name: not the model's signature
+        if self.next is not None and out.dtype != pm.outbound.dtype:
+            # a stage under autocast (precision=) may end in the half dtype: the cut travels, and the
+            # next stage's input is checked, in the traced dtype (an upcast: exact)
+            out = out.to(pm.outbound.dtype)
+        self.outs[m] = out
         pm.peak_in_flight = max(pm.peak_in_flight, len(self.outs))
         if self.next is None:
             self.losses.append(self.outs[m])

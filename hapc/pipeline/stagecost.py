@@ -242,7 +242,11 @@ class StageCoster:
         it by layer. Sub-meshes whose cost models price alike share one synthesis: e.g. 8 devices
         over 2 hosts of 4 and over 4 hosts of 2 (both rings cross the inter-host link), or equal
         device types in two groups."""
-        model = CostModel(sub_cluster(self.cluster, group, size), memory_factor=self.memory_factor)
+        model = CostModel(
+            sub_cluster(self.cluster, group, size),
+            memory_factor=self.memory_factor,
+            precision=getattr(self.theory, "precision", None),  # autocast: the groups' half-precision rates
+        )
         key = model_key(model)
         if key in self._costs:
             return self._costs[key]
