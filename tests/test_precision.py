@@ -95,10 +95,14 @@ def _train(module: Any, inputs: Any, user_autocast: bool, steps: int = 3) -> dic
     return {"losses": losses, "grads": grads, "state": {k: v.detach().clone() for k, v in state.items()}}
 
 
-def _job(rank: int, world: int, alias: str, mkw: dict, cluster: Cluster, plan: str, user_autocast: bool) -> dict:
+def _job(rank: int, world: int, alias: str, mkw: dict, cluster: Cluster, plan: Any, user_autocast: bool) -> dict:
     torch.set_num_threads(1)
     model, inputs = models.load(alias, **mkw)
-    module = hapc.compile(model, cluster, inputs, plan=plan)  # the saved plan: precision travels in its JSON
+    if plan is None:  # planned here, by rank 0, for bf16
+        module = hapc.compile(model, cluster, inputs, pipeline=False, precision="bf16")
+        assert module.plan.options["precision"] == "bf16"
+    else:
+        module = hapc.compile(model, cluster, inputs, plan=plan)  # a saved plan: precision travels in its JSON
     return _train(module, inputs, user_autocast)
 
 
@@ -171,6 +175,13 @@ def test_user_autocast_around_an_fp32_plan():
     plan = hapc.synthesize(model, cluster, inputs, baseline="dp-cp")
     assert "precision" not in plan.options
     results = run_distributed(_job, 2, "gpt", {}, cluster, plan, True, timeout=300)
+    check_bf16(results, "gpt", {})
+
+
+def test_compile_plans_bf16_itself():
+    """``hapc.compile(..., precision="bf16")`` without a plan: rank 0 plans for bf16 and every rank
+    runs the plan under autocast."""
+    results = run_distributed(_job, 2, "gpt", {}, _cluster([3e9, 2e9]), None, False, timeout=300)
     check_bf16(results, "gpt", {})
 
 
