@@ -157,6 +157,7 @@ def _brute_value(table, groups, links, B, meshes, bounds, rc):
         mp.append(sum(table.mem_param[o, lo:hi]))
         act = sum(table.mem_act[o, lo:hi])
         inb = table.out_bytes[lo - 1] if lo > 0 else 0.0
+        inb += table.keep[o, lo:hi].sum() if table.keep is not None else 0.0
         ma.append((inb, act) if rc[s] else (act, 0.0))  # (per in-flight micro-batch, once)
         if s == S - 1:
             c.append(0.0)
@@ -211,10 +212,11 @@ def test_dp_equals_brute_force_on_random_instances():
 
 
 def test_dp_with_recomputation_equals_brute_force():
-    """Recomputation as a per-stage choice: "auto" (the DP picks per stage), "always" and the
-    layers where it is not allowed (``recomputable``) against brute force over every subset."""
+    """Recomputation as a per-stage choice: "auto" (the DP picks per stage), "always", the layers
+    where it is not allowed (``recomputable``) and bytes kept besides a stage's input (``keep``:
+    collective outputs) against brute force over every subset."""
     rng = random.Random(11)
-    helped = rescued = chosen = masked = 0
+    helped = rescued = chosen = masked = kept = 0
     for n in range(150):
         table, groups, links, B = _random_instance(rng)
         table.mem_act = table.mem_act * rng.uniform(1.0, 4.0)  # memory binds more often
@@ -222,6 +224,9 @@ def test_dp_with_recomputation_equals_brute_force():
         if n % 2 == 0:
             L = table.num_layers
             table.recomputable = np.array([[rng.random() < 0.85 for _ in range(L)] for _ in table.options])
+        if n % 3 == 1:
+            kr = random.Random(n)  # (its own draws: the other instances stay as they were)
+            table.keep = np.array([[kr.uniform(0.0, 0.3) for _ in range(table.num_layers)] for _ in table.options])
         never = _brute_force(table, groups, links, B, "never")
         for mode in ("auto", "always"):
             want = _brute_force(table, groups, links, B, mode)
@@ -247,7 +252,9 @@ def test_dp_with_recomputation_equals_brute_force():
             helped += math.isfinite(never) and want < never * (1 - 1e-9)
             rescued += not math.isfinite(never)
             masked += table.recomputable is not None and any(s.recompute for s in st)
-    assert helped >= 6 and rescued >= 4 and chosen >= helped + rescued and masked >= 4  # (10, 6, 16, 7)
+            kept += table.keep is not None and any(s.recompute for s in st)
+    # (10, 5, 15, 7, 4) when written
+    assert helped >= 6 and rescued >= 3 and chosen >= helped + rescued and masked >= 4 and kept >= 2
 
 
 def test_delta_is_the_schedule_modules_eq2():

@@ -21,12 +21,13 @@ substructure, which can miss a feasible plan); ``b`` only ranges up to the large
 **Activation recomputation** (HARP fn. 2; Korthikanti et al. 2023's "full" level) is a per-stage
 choice. A stage ``l_i..l_j`` that recomputes keeps, per in-flight micro-batch, only its input (the
 activation entering it, ``in_i = out_bytes[i-1]``, ``0`` for the first stage whose inputs are the
-batch) and, during one micro-batch's backward, that micro-batch's full activations; its backward
+batch, plus ``keep`` of its layers: what its program's collectives output, which are not run
+again) and, during one micro-batch's backward, that micro-batch's full activations; its backward
 runs the forward again. So its row has
 
-    t_r = t + Σ fwd,        Eq. 18 as   mem_p + N·in_i + mem_a <= mem_device,
+    t_r = t + Σ fwd,        Eq. 18 as   mem_p + N·(in_i + Σ keep) + mem_a <= mem_device,
 
-i.e. ``Nmax_r = floor((mem_device - mem_p - mem_a) / in_i)``. It is one more candidate row of the
+i.e. ``Nmax_r = floor((mem_device - mem_p - mem_a) / (in_i + Σ keep))``. It is one more candidate row of the
 index (same layers, sub-mesh and link): the DP takes the cheaper feasible row as for any other
 choice, so it stays exact. ``recompute="auto"`` adds the row only where it raises ``Nmax`` (a row
 with more time and no more memory headroom is dominated in every state), ``"always"`` uses only
@@ -71,7 +72,8 @@ class CostTable:
     parameters, gradients and optimizer state; ``mem_act``: bytes per device saved for backward per
     in-flight micro-batch; ``out_bytes[j]``: bytes crossing the cut after layer ``j`` (a recomputing
     stage starting at ``j + 1`` keeps them per in-flight micro-batch); ``recomputable``: where a
-    stage may recompute (all its layers ``True``; ``None``: everywhere)."""
+    stage may recompute (all its layers ``True``; ``None``: everywhere); ``keep``: bytes per device a
+    recomputing stage keeps per in-flight micro-batch for each layer besides its input (``None``: 0)."""
 
     options: list[Option]
     fwd: np.ndarray
@@ -81,6 +83,7 @@ class CostTable:
     mem_act: np.ndarray
     out_bytes: np.ndarray
     recomputable: np.ndarray | None = None
+    keep: np.ndarray | None = None
 
     def in_bytes(self) -> np.ndarray:
         """Bytes a recomputing stage starting at layer ``i`` keeps per in-flight micro-batch."""
@@ -174,6 +177,7 @@ class PipelineDP:
         bad = np.zeros_like(table.fwd) if table.recomputable is None else ~np.asarray(table.recomputable, dtype=bool)
         self.Pbad = np.hstack([z, np.cumsum(bad, axis=1)])  # layers that may not recompute, prefix counts
         self.inb = table.in_bytes()
+        self.Pk = np.hstack([z, np.cumsum(np.zeros_like(table.fwd) if table.keep is None else table.keep, axis=1)])
         reach = 3 * min(D, L) - 2  # the largest warm-up count any plan has
         self.cap = min(self.B, reach)  # finite bounds >= cap are unconstrained
         self._build_index()
@@ -287,10 +291,10 @@ class PipelineDP:
         if self.recompute == "never":
             return out
         ok = (self.Pbad[o, js + 1] - self.Pbad[o, i]) == 0
-        inb = float(self.inb[i])
+        inb = self.inb[i] + self.Pk[o, js + 1] - self.Pk[o, i]  # kept per in-flight micro-batch
         room = mem - mp - ma
         with np.errstate(divide="ignore", invalid="ignore"):
-            nr = np.floor(room / inb) if inb > 0 else np.where(room >= 0, INF, 0.0)
+            nr = np.where(inb > 0, np.floor(room / np.where(inb > 0, inb, 1)), np.where(room >= 0, INF, 0.0))
         nr = np.where(room >= inb, nr, 0.0)
         nr = np.where(nr >= self.cap, INF, nr)
         keep = ok & (nr >= 1)

@@ -25,8 +25,8 @@ prices every layer on every sub-mesh kind with the SPMD synthesizer
   a stage may recompute its activations in backward -- its backward time grows by its forward and
   its memory is ``mem_p + N in + mem_a`` (its input per in-flight micro-batch, one micro-batch's
   activations) instead of ``mem_p + N mem_a``. ``"auto"`` (default): the DP chooses per stage
-  where that lets it fit or hold more micro-batches in flight; only layers whose program has no
-  collective in its forward may recompute (a stage on one device, or data-parallel).
+  where that lets it fit or hold more micro-batches in flight. Collectives are not recomputed:
+  their outputs count as kept with the input (``mem_in``, :mod:`hapc.pipeline.stagecost`).
 * **Data-parallel replicas** (``replicas=R``, :mod:`hapc.pipeline.replicas`): the DP runs on one
   replica's devices with ``B = M / R`` micro-batches, the all-reduce across replicas added to each
   layer's ``sync``; Eq. 12 is then one replica's step, every replica's (they run side by side).
@@ -80,7 +80,8 @@ class PipelineStage:
     nodes: tuple[int, int] = (0, 0)  # first and last op node of the stage in the reference graph
     replica_sync: float = 0.0  # the all-reduce across the replicas of this stage, once per step (in sync)
     # activations recomputed in backward: bwd includes the forward run again, and memory is
-    # mem_param + min(warmup, num_micro) * mem_in + mem_act (mem_in: the stage's input per micro-batch)
+    # mem_param + min(warmup, num_micro) * mem_in + mem_act (mem_in: the stage's input per micro-batch
+    # and the outputs of its forward collectives, which are kept, not run again)
     recompute: bool = False
     mem_in: float = 0.0
 
@@ -238,11 +239,9 @@ def cost_table(
     if not rows:
         raise PlanningError(f"no group has a sub-mesh of {list(sizes or [])} devices")
     stack = {key: np.stack([getattr(r, key) for r in rows]) for key in ("fwd", "bwd", "sync", "mem_param", "mem_act")}
-    # recomputation only where a layer's forward runs no collective (hapc.pipeline.recompute)
-    comm = np.stack([r.fwd_comm if r.fwd_comm is not None else np.zeros_like(r.fwd) for r in rows])
-    return CostTable(
-        options, **stack, out_bytes=np.array([float(x.out_bytes) for x in layers]), recomputable=comm == 0
-    )
+    # a recomputing stage keeps its forward collectives' outputs (hapc.pipeline.recompute)
+    keep = np.stack([r.keep if r.keep is not None else np.zeros_like(r.fwd) for r in rows])
+    return CostTable(options, **stack, out_bytes=np.array([float(x.out_bytes) for x in layers]), keep=keep)
 
 
 def solve(
@@ -277,7 +276,8 @@ def solve(
         mp, ma = float(table.mem_param[sc.option, rng].sum()), float(table.mem_act[sc.option, rng].sum())
         nodes = (layers[sc.lo].first, layers[sc.hi - 1].last) if layers is not None else (0, 0)
         fwd, bwd = float(table.fwd[sc.option, rng].sum()), float(table.bwd[sc.option, rng].sum())
-        mi = float(table.in_bytes()[sc.lo]) if sc.recompute else 0.0
+        kept = float(table.keep[sc.option, rng].sum()) if table.keep is not None else 0.0
+        mi = float(table.in_bytes()[sc.lo]) + kept if sc.recompute else 0.0
         held = mp + min(n, num_micro) * mi + ma if sc.recompute else mp + min(n, num_micro) * ma
         stages.append(
             PipelineStage(

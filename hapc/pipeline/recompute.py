@@ -16,10 +16,9 @@ Exactness, as for a user's checkpoint regions (:mod:`hapc.codegen.regions`):
 * **no collective is recomputed**: collectives stay outside every run, so each runs once, in the
   forward, in the program's order on every rank of the stage -- the backward's collectives (gradient
   buckets, a tensor-parallel backward) are the program's own, in its order, and the recomputation
-  between them is local compute. Their outputs are kept instead (memory the planner does not price:
-  it plans recomputation only for layers whose program has no forward collective, so on a
-  tensor-parallel sub-mesh a stage is planned without it; the runtime still recomputes what it is
-  told to, safely).
+  between them is local compute. Their outputs are kept instead: the planner counts them with the
+  stage's input (``keep`` in :mod:`hapc.pipeline.stagecost`), so a tensor-parallel stage recomputes
+  only where that still pays.
 """
 
 from __future__ import annotations

@@ -26,8 +26,12 @@ Per layer and sub-mesh kind (per device; homogeneous sub-meshes have equal shard
   all in the parameter dtype; the synthesizer's convention);
 * ``mem_act``: activation bytes saved for the backward of one micro-batch (what each in-flight
   micro-batch of H-1F1B holds, HARP Eq. 18);
-* ``fwd_comm``: whether the layer's program runs a collective in its forward (such a layer is not
-  planned to recompute: :mod:`hapc.pipeline.recompute` keeps collectives' outputs instead).
+* ``keep``: bytes per device a recomputing stage keeps for this layer per in-flight micro-batch
+  besides its input: a recomputed stage never runs a collective again
+  (:mod:`hapc.pipeline.recompute`), so each forward collective's output is kept -- the whole
+  tensor for an all-gather, all-reduce, broadcast or reduce, ``1/m`` of it for a reduce-scatter or
+  all-to-all -- plus one value of the collective's ``1/m`` size crossing it (the sharded residual
+  stream of a Megatron-SP block), an estimate; 0 for a program with no forward collective.
 
 Sub-meshes mixing groups (HAP ratios inside a stage) are not planned yet: HARP's DP places a
 stage in one group, and so does :mod:`hapc.pipeline.planner`.
@@ -52,6 +56,7 @@ from ..synth.synthesizer import (
     replicated_triples,
     synthesize_program,
 )
+from ..theory.cost import Comm
 from ..theory.instructions import Compute
 from ..theory.props import DONE, Prop
 from ..theory.triples import Theory
@@ -61,6 +66,12 @@ from .layers import Layer
 ONE_DEVICE_SHORTCUT = True
 #: search the data-parallel incumbent in stage costs without a deadline too (see layer_costs)
 INCUMBENT = False
+
+
+def _kept_bytes(comm: Comm, m: int) -> float:
+    """Bytes per device a recomputing stage keeps for one forward collective (see ``keep`` above)."""
+    out = comm.nbytes / m if comm.primitive in ("reduce_scatter", "all_to_all") else comm.nbytes
+    return out + comm.nbytes / m
 
 
 def submesh_sizes(group: Group) -> list[int]:
@@ -119,7 +130,7 @@ class LayerCosts:
     mem_param: np.ndarray
     mem_act: np.ndarray
     program_time: float  # the synthesized whole-model program's time (fwd + bwd + sync)
-    fwd_comm: np.ndarray | None = None  # 1.0 where the layer's forward runs a collective
+    keep: np.ndarray | None = None  # bytes kept per in-flight micro-batch when recomputed (collective outputs)
 
 
 class StageCoster:
@@ -205,7 +216,7 @@ class StageCoster:
         """Per-layer costs of ``result`` (a program of ``space``): each segment's triples priced by
         :meth:`~hapc.synth.cost.CostModel.breakdown` and added to its layer."""
         L = len(self.layers)
-        out = {k: np.zeros(L) for k in ("fwd", "bwd", "sync", "mem_param", "mem_act", "fwd_comm")}
+        out = {k: np.zeros(L) for k in ("fwd", "bwd", "sync", "mem_param", "mem_act", "keep")}
         th = self.theory.triples
         memo: dict[tuple[int, ...], tuple[float, ...]] = {}
         for seg, part in zip(space.segments, result.parts):
@@ -226,10 +237,10 @@ class StageCoster:
                 r = ratios[0]
                 mp = sum(c.param_bytes.at(r) for c in costs) * self.memory_factor
                 ma = sum(c.act_bytes.at(r) for c in costs)
-                fc = float(model.m > 1 and any(c.fwd_comm for c in costs))
-                memo[key_p] = (f, b, s, mp, ma, fc)
-            f, b, s, mp, ma, fc = memo[key_p]
-            out["fwd_comm"][li] = max(out["fwd_comm"][li], fc)
+                kept = sum(_kept_bytes(x, model.m) for c in costs for x in c.fwd_comm) if model.m > 1 else 0.0
+                memo[key_p] = (f, b, s, mp, ma, kept)
+            f, b, s, mp, ma, kept = memo[key_p]
+            out["keep"][li] += kept
             out["fwd"][li] += f
             out["bwd"][li] += b
             out["sync"][li] += s
