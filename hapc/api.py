@@ -123,6 +123,7 @@ def compile(
     capture: str = "auto",
     loss: str | int | None = None,
     outputs: str = "whole",
+    recompute: str = "auto",
     **options: Any,
 ) -> Any:
     """This rank's part of ``model`` under ``plan`` (synthesized here when not given).
@@ -164,6 +165,9 @@ def compile(
             micro-batch count; default (``None``): the planner's cheapest among the divisors of the
             batch (:func:`hapc.planner.search_micro`); a count that does not divide the batch is
             refused (HapcError).
+        recompute: a pipeline's activation recomputation: ``"auto"`` (default) -- the planner has a
+            stage recompute its activations in backward where memory binds (an extra forward per
+            micro-batch for fewer bytes held, :mod:`hapc.pipeline.dp`); ``"never"``; ``"always"``.
         loss_sync: when the all-reduce of the returned loss's value starts. ``"lazy"`` (default;
             gloo): at its first read, right before the backward's first gradient bucket, at the
             next call of a hapc module or 50 ms after the forward, whichever is first
@@ -211,7 +215,9 @@ def compile(
     if pipeline:
         if group is not None or plan is not None:
             raise HapcError("a pipelined compile runs on the whole job and plans itself: drop group= and plan=")
-        return _compile_pipeline(model, cluster, example_inputs, None, num_micro, schedule, timeout, options)
+        return _compile_pipeline(
+            model, cluster, example_inputs, None, num_micro, schedule, timeout, options, recompute=recompute
+        )
     blocked = _pipeline_blocked(
         plan=plan, group=group, device=device, init=init, leaf_modules=tuple(leaf_modules), capture=capture, loss=loss,
         outputs=outputs,
@@ -240,7 +246,7 @@ def compile(
     if plan is None:
         kinds = ("spmd",) if pipeline is False else KINDS
         kind, plan, priced = _agree_on_choice(
-            model, example_inputs, theory, cluster, group, options, theory_opts, kinds, num_micro, blocked
+            model, example_inputs, theory, cluster, group, options, theory_opts, kinds, num_micro, blocked, recompute
         )
         if kind == "pipeline":
             return _compile_pipeline(
@@ -481,6 +487,7 @@ def _agree_on_choice(
     kinds: Sequence[str],
     num_micro: int | None,
     blocked: str | None,
+    recompute: str = "auto",
 ) -> tuple[str, Any, list[dict[str, Any]]]:
     """Rank 0 prices the plan kinds (:func:`hapc.planner.choose_plan`) and everyone receives the
     chosen kind, its plan and the kinds priced as JSON bytes (never pickle). A planning error on rank
@@ -500,7 +507,7 @@ def _agree_on_choice(
         try:
             ch = choose_plan(
                 model, cluster, example_inputs, kinds=kinds, num_micro=num_micro, theory=theory,
-                synth_options=synth_opts, theory_options=theory_opts, pipeline_blocked=blocked,
+                synth_options=synth_opts, theory_options=theory_opts, pipeline_blocked=blocked, recompute=recompute,
             )  # fmt: skip
         except HapcError as exc:
             return {"error": str(exc), "type": type(exc).__name__}

@@ -289,6 +289,7 @@ def cmd_synth(ns: argparse.Namespace) -> int:
         },
         theory_options=_precision(ns),
         progress=progress,
+        recompute=ns.recompute,
     )
     if choice.kind == "pipeline":
         console.print(kinds_table(choice.kinds))
@@ -358,7 +359,9 @@ def _synth_pipeline(
     if plan is None and ns.micro is None:  # the planner's micro-batch search, the pipeline kind only
         from .planner import choose_plan, kinds_table
 
-        choice = choose_plan(model, cluster, inputs, kinds=("pipeline",), theory_options=_precision(ns))
+        choice = choose_plan(
+            model, cluster, inputs, kinds=("pipeline",), theory_options=_precision(ns), recompute=ns.recompute
+        )
         console.print(kinds_table(choice.kinds))
         plan = choice.plan
     if plan is None:
@@ -367,7 +370,7 @@ def _synth_pipeline(
         batch = next(x.shape[0] for x in inputs if hasattr(x, "shape") and x.dim())
         micro = micro_batches(inputs, ns.micro, batch)[0]
         theory = derive(trace(model, micro), **_precision(ns))
-        plan = plan_pipeline(model, cluster, micro, num_micro=ns.micro, theory=theory)
+        plan = plan_pipeline(model, cluster, micro, num_micro=ns.micro, theory=theory, recompute=ns.recompute)
     console.print(
         f"[bold]{ns.model}[/] pipelined on {cluster.describe()}" + (f" in {ns.precision}" if ns.precision else "")
     )
@@ -560,6 +563,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="mixed precision: plan for a forward under torch.autocast to this dtype with fp32 master weights, "
         "priced at the groups' flops_bf16 / flops_fp16 (default: the model's dtype)",
+    )
+    y.add_argument(
+        "--recompute",
+        choices=["auto", "never", "always"],
+        default="auto",
+        help="a pipeline's activation recomputation: auto (default) lets the planner recompute a stage's "
+        "activations in backward where memory binds (the stage table's recompute column), never, always",
     )
     y.add_argument("--no-memory", action="store_true", help="ignore device memory limits")
     y.add_argument("--emit-code", metavar="DIR", help="write DIR/rank{r}.py for every rank and DIR/plan.json")

@@ -444,6 +444,7 @@ def choose_plan(
     pipeline_blocked: str | None = None,
     progress: Progress | None = None,
     replicas: Sequence[int] | None = None,
+    recompute: str = "auto",
 ) -> PlanChoice:
     """Price every plan kind in ``kinds`` for ``model`` on ``cluster`` and pick the fastest.
 
@@ -460,7 +461,9 @@ def choose_plan(
     ``group=``). Kinds left out of ``kinds`` are reported as ``"overridden"``. Ties go to SPMD,
     then to fewer replicas. ``replicas``: the data-parallel replica counts of a pipeline to price
     (default: every ``R > 1`` dividing ``num_micro`` for which a layout tiles the cluster; ``()``:
-    none); each (count, layout) is one more entry ``pipeline xR (layout)``. A ``time_limit`` in
+    none); each (count, layout) is one more entry ``pipeline xR (layout)``. ``recompute``: the
+    pipeline's activation recomputation (:func:`hapc.pipeline.plan_pipeline`; ``"auto"``: chosen per
+    stage where memory binds, ``"never"``, ``"always"``). A ``time_limit`` in
     ``synth_options`` bounds the SPMD search and, with a budget of its own, every search of the
     pipeline's pricing (:func:`~hapc.synth.synthesizer.searches_until`): planning takes about twice
     it at most, plus tracing, deriving and the pipelines' non-search work.
@@ -538,7 +541,7 @@ def choose_plan(
         def price(B: int, batch: int = batch, searched: bool = searched) -> float:
             entries = _price_pipelines(
                 model, cluster, example_inputs, batch, B, theory_options, replicas, labelled=searched,
-                t0=time.perf_counter(),
+                t0=time.perf_counter(), recompute=recompute,
             )  # fmt: skip
             for est, pplan in entries:
                 out.append(est)
@@ -580,6 +583,7 @@ def _price_pipelines(
     *,
     labelled: bool,
     t0: float,
+    recompute: str = "auto",
 ) -> list[tuple[KindEstimate, Any]]:
     """The pipeline, and its data-parallel replicas, priced at ``num_micro`` micro-batches: one
     ``(estimate, plan or None)`` per replica count and layout. ``labelled``: say the count in the
@@ -609,7 +613,8 @@ def _price_pipelines(
         t1 = time.perf_counter()
         try:
             pplan = plan_pipeline(
-                model, cluster, micro, num_micro=num_micro, theory=th, replicas=R, layout=layout, cache=cache
+                model, cluster, micro, num_micro=num_micro, theory=th, replicas=R, layout=layout, cache=cache,
+                recompute=recompute,
             )
         except HapcError as exc:  # PlanningError: no pipeline fits (memory, layers, links)
             seconds = time.perf_counter() - (t0 if R == 1 else t1)

@@ -213,3 +213,53 @@ def test_the_planner_recomputes_where_memory_binds_and_prices_it():
     assert spec_from_plan(loose, _cluster("4 GiB")).recompute == []
     with pytest.raises(hapc.errors.HapcError, match="recompute must be one of"):
         _plan("4 GiB", recompute="sometimes")
+
+
+# -- hapc.compile: the planner's choice, run ----------------------------------------------------------
+def _two_groups(memory: str) -> dict:
+    """Two one-device groups: a pipeline of two stages, the first holding two micro-batches."""
+    return {
+        "name": "two-ones",
+        "group": [
+            {"name": "a", "devices": 1, "devices_per_host": 1, "flops": 1e10, "memory": memory},
+            {"name": "b", "devices": 1, "devices_per_host": 1, "flops": 1e10, "memory": memory},
+        ],
+        "links": {
+            "intra_host": {"bandwidth": "20 GB/s", "latency": "5 us"},
+            "inter_host": {"bandwidth": "10 GB/s", "latency": "10 us"},
+            "between": [{"groups": ["a", "b"], "bandwidth": "10 GB/s", "latency": "10 us"}],
+        },
+    }
+
+
+def _compile_job(rank, world, cluster, recompute):
+    torch.set_num_threads(1)
+    model, inputs = _model("gpt", 8)
+    pm = hapc.compile(model, hapc.Cluster.from_dict(cluster), inputs, pipeline=True, num_micro=4, recompute=recompute)
+    optimizer = make_optimizer("sgd", pm.parameters())
+    losses = [pm.train_step(*inputs).item()]
+    grads = pm.full_gradients()
+    for _ in range(STEPS - 1):
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(pm.train_step(*inputs).item())
+    optimizer.step()
+    return {"losses": losses, "grads": grads, "state": pm.full_state_dict(), "recomputes": pm.recomputes}
+
+
+def test_compile_recomputes_where_the_planner_chose_and_trains_as_one_device():
+    model, inputs = _model("gpt", 8)
+    micro = micro_batches(inputs, 4, 8)[0]
+    loose = plan_pipeline(model, hapc.Cluster.from_dict(_two_groups("4 GiB")), micro, num_micro=4)
+    first = loose.stages[0]
+    assert [s.warmup for s in loose.stages] == [2, 1] and not any(s.recompute for s in loose.stages)
+    tight = _two_groups(f"{int(first.mem_param + 1.6 * first.mem_act)} B")  # one micro-batch fits, not two
+    got = run_distributed(_compile_job, 2, tight, "auto", timeout=240)
+    assert [r["recomputes"] for r in got] == [True, False]  # the planner's choice reached the runtime
+    ref = _single("gpt", 8)
+    for rank, res in enumerate(got):
+        assert_close(res["losses"], ref["losses"], F64, f"rank {rank} losses")
+        assert_close(res["grads"], ref["grads"], F64, f"rank {rank} grads")
+        assert_close(res["state"], ref["state"], F64, f"rank {rank} state")
+    forced = run_distributed(_compile_job, 2, _two_groups("4 GiB"), "always", timeout=240)
+    assert [r["recomputes"] for r in forced] == [True, True]  # forced, where memory does not bind

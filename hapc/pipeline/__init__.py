@@ -87,6 +87,7 @@ def compile_pipeline(
     schedule: str = "h1f1b",
     emulate: dict[str, Any] | None = None,
     timeout: float | None = None,
+    recompute: str = "auto",
     **options: Any,
 ) -> PipelineModule:
     """This rank's stage of ``model`` pipelined over ``cluster`` (planned here when not given).
@@ -96,8 +97,9 @@ def compile_pipeline(
     :func:`hapc.planner.choose_plan`).
     ``schedule``: ``"h1f1b"`` (the plan's warm-up counts), ``"1f1b"`` or ``"eager-1f1b"``.
     ``timeout``: seconds after which a pipeline message or collective gives up and raises
-    (default: the job's process-group timeout). ``options`` go to each stage's SPMD synthesis
-    (see :func:`hapc.compile`)."""
+    (default: the job's process-group timeout). ``recompute``: activation recomputation when
+    planning here (``"auto"``: the planner chooses per stage, ``"never"``, ``"always"``; a given
+    ``plan`` says its own). ``options`` go to each stage's SPMD synthesis (see :func:`hapc.compile`)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -110,24 +112,26 @@ def compile_pipeline(
         )
     inputs = tuple(example_inputs)
     if plan is None:
-        plan = _agree(model, cluster, inputs, num_micro)
+        plan = _agree(model, cluster, inputs, num_micro, recompute)
     if timeout is not None and not timeout > 0:
         raise HapcError(f"timeout must be a positive number of seconds, got {timeout!r}")
     spec = spec_from_plan(plan, cluster, schedule)
     return PipelineModule(model, inputs, spec, emulate=emulate, timeout=timeout, **options)
 
 
-def _agree(model: torch.nn.Module, cluster: Cluster, inputs: tuple, num_micro: int | None) -> PipelinePlan:
+def _agree(
+    model: torch.nn.Module, cluster: Cluster, inputs: tuple, num_micro: int | None, recompute: str = "auto"
+) -> PipelinePlan:
     """Rank 0 plans; everyone receives the plan as JSON."""
 
     def make() -> dict[str, Any]:
         if num_micro is None:
             from ..planner import choose_plan
 
-            return choose_plan(model, cluster, inputs, kinds=("pipeline",)).plan.to_json()
+            return choose_plan(model, cluster, inputs, kinds=("pipeline",), recompute=recompute).plan.to_json()
         batch = next(x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim())
         micro = micro_batches(inputs, num_micro, batch)[0]
-        return plan_pipeline(model, cluster, micro, num_micro=num_micro).to_json()
+        return plan_pipeline(model, cluster, micro, num_micro=num_micro, recompute=recompute).to_json()
 
     return PipelinePlan.from_json(broadcast_json(make))
 
