@@ -257,6 +257,23 @@ def test_dp_with_recomputation_equals_brute_force():
     assert helped >= 6 and rescued >= 3 and chosen >= helped + rescued and masked >= 4 and kept >= 2
 
 
+def test_recomputation_that_buys_exactly_the_one_more_micro_batch_needed():
+    """Three one-device groups, a layer each, H-1F1B holding 3, 2, 1 micro-batches: the middle stage
+    fits one micro-batch's activations but needs two in flight; recomputing keeps its input (0.5)
+    per micro-batch instead and fits exactly two -- one more than without, the least that helps."""
+    options = [Option(k, 1) for k in range(3)]
+    one = np.ones((3, 3))
+    table = CostTable(options, one * 0.1, one * 0.2, one * 0.0, one * 1.0, one * 1.2, np.array([0.5, 0.5, 0.5]))
+    groups = [GroupSpec(f"g{k}", 1, 1, 3.3, 1.0) for k in range(3)]
+    links = Links((1e9, 0.0), (1e9, 0.0), ((1e9, 0.0), (1e9, 0.0)))
+    assert PipelineDP(table, groups, links, 4, EPS, recompute="never").solve() is None
+    sol = PipelineDP(table, groups, links, 4, EPS).solve()
+    assert sol is not None and sol.warmups == [3, 2, 1]
+    assert [s.recompute for s in sol.stages] == [True, True, False]  # the first: 3 in flight need it too
+    assert [s.nmax for s in sol.stages][:2] == [math.inf, 2]  # its input is the batch; 0.5 kept twice in 1.1
+    assert sol.value == pytest.approx(_brute_force(table, groups, links, 4, "auto"), rel=1e-12)
+
+
 def test_delta_is_the_schedule_modules_eq2():
     rng = random.Random(1)
     for _ in range(500):
