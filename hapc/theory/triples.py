@@ -45,6 +45,7 @@ from .graph import BUFFER, INPUT, OP, PARAM, RefGraph, RefNode, map_refs
 from .instructions import COLLECTIVES, Collective, Compute, Instruction, Loss, Source
 from .props import DONE, PARTIAL, REPLICATED, Layout, Prop, shard
 from .registry import OpView, Registry, default_registry
+from .saved import saved_bytes
 from .strategy import OUT, RNG, Strategy
 from .trace import backward_work
 
@@ -238,6 +239,7 @@ class _Builder:
         self._strategy_cache: dict[tuple | None, list[Strategy]] = {}
         self.unsupported: list[str] = []
         self.half_copies: dict[int, int] = {}  # parameter -> bytes of its autocast copy (precision)
+        self.saved = saved_bytes(graph, VIEW_OPS)  # what autograd keeps of each op for the backward
 
     # -- per-node strategies -------------------------------------------------------------------
     def node_strategies(self, n: RefNode) -> list[Strategy]:
@@ -331,8 +333,8 @@ class _Builder:
             fwd_f, bwd_f = s.flops
         else:
             fwd_f, bwd_f = Linear.split(n.flops, scaled), Linear.split(bwd_flops, scaled)
-        saved = n.requires_grad and n.op not in VIEW_OPS  # views share their input's storage
-        act = Linear.split(n.meta.nbytes, s.output.is_sharded) if saved else Linear()
+        # the result where the backward reads it (not a view's: views share their input's storage)
+        act = Linear.split(self.saved[n.index], s.output.is_sharded) if n.index in self.saved else Linear()
         cost = CostProfile(
             fwd_flops=fwd_f,
             bwd_flops=bwd_f,
