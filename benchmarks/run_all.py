@@ -42,6 +42,7 @@ SCRIPTS = {
     "pipeline_peer": ([], ["--quick"]),  # hapc's pipeline runtime vs torch.distributed.pipelining
     "realworld": ([], ["--quick"]),  # issue 12: HF / torchvision / timm at published sizes, meta device
     "hetero_speedup": ([], ["--quick"]),  # issue 15: emulated 1.0 / 0.5 ranks, hapc vs DDP / FSDP2, measured
+    "memory_fidelity": ([], ["--quick"]),  # issue 14: predicted vs measured peak memory per device, gloo ranks
 }
 
 

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
         pytest.param("uneven_experts.py", marks=pytest.mark.slow),
         pytest.param("pipeline_peer.py", marks=pytest.mark.slow),
         pytest.param("hetero_speedup.py", marks=pytest.mark.slow),
+        pytest.param("memory_fidelity.py", marks=pytest.mark.slow),
     ],
 )
 def test_benchmark_smoke(script, tmp_path):
@@ -100,6 +101,11 @@ def _check_printed(script: str, stdout: str, result: dict) -> None:
             assert row["hapc_s"] > 0 and row["ddp_even_s"] > 0 and row["ddp_prop_s"] > 0 and row["hapc_dpcp_s"] > 0
             assert f"{row['measured_speedup_vs_ddp_even']:.2f}" in stdout, row["model"]
             assert (row["plan"] == "DP") == (not row["sharded_params"]), row["plan"]
+    elif script == "memory_fidelity.py":
+        assert len(result["configs"]) >= 6 and f"of {len(result['configs'])} configurations within" in stdout
+        for row in result["rows"]:
+            assert row["predicted"] > 0 and row["measured"] > 0
+            assert f"{row['ratio']:.3f}" in stdout, row["config"]
     elif script == "uneven_experts.py":
         assert "Uneven experts" in stdout
         for link in result["links"]:
