@@ -355,3 +355,21 @@ def test_the_models_own_autocast_regions_are_priced_in_their_dtypes():
         th = derive(graph, precision=precision)
         lin = [n.meta.dtype for n in th.graph if n.op == "linear"]
         assert lin == [BF16, torch.float32, BF16], (precision, lin)
+
+
+def _agreed_times(rank: int, world: int, cluster: Cluster, num_micro: int | None) -> list[float]:
+    from hapc.pipeline import _agree
+
+    model, inputs = models.load("gpt", batch=4)
+    return [_agree(model, cluster, tuple(inputs), num_micro, precision=p).time for p in (None, "bf16")]
+
+
+@pytest.mark.parametrize("num_micro", [2, None])
+def test_a_pipelined_compile_prices_its_cuts_at_the_precision_it_runs(num_micro):
+    """``hapc.compile(pipeline=True, precision="bf16")`` plans the stage cuts itself (rank 0, then
+    broadcast): they are priced at the groups' bf16 rate, as the stages run -- on a cluster whose bf16
+    rate is 4x its fp32 one the planned step is much shorter (it was priced at fp32 before)."""
+    base = two_groups().to_dict()  # at 1e-4 of its flop rates, compute dominates the step
+    slow = [{**g, "flops": g["flops"] * 1e-4, "flops_bf16": 4e-4 * g["flops"]} for g in base["group"]]
+    fp32, bf16 = run_distributed(_agreed_times, 1, Cluster.from_dict({**base, "group": slow}), num_micro, timeout=300)[0]
+    assert bf16 < 0.6 * fp32, (fp32, bf16)

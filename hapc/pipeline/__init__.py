@@ -112,7 +112,7 @@ def compile_pipeline(
         )
     inputs = tuple(example_inputs)
     if plan is None:
-        plan = _agree(model, cluster, inputs, num_micro, recompute)
+        plan = _agree(model, cluster, inputs, num_micro, recompute, options.get("precision"))
     if timeout is not None and not timeout > 0:
         raise HapcError(f"timeout must be a positive number of seconds, got {timeout!r}")
     spec = spec_from_plan(plan, cluster, schedule)
@@ -120,18 +120,33 @@ def compile_pipeline(
 
 
 def _agree(
-    model: torch.nn.Module, cluster: Cluster, inputs: tuple, num_micro: int | None, recompute: str = "auto"
+    model: torch.nn.Module,
+    cluster: Cluster,
+    inputs: tuple,
+    num_micro: int | None,
+    recompute: str = "auto",
+    precision: str | None = None,
 ) -> PipelinePlan:
-    """Rank 0 plans; everyone receives the plan as JSON."""
+    """Rank 0 plans (the stage cuts priced at ``precision``, as the stages will run); everyone
+    receives the plan as JSON."""
 
     def make() -> dict[str, Any]:
         if num_micro is None:
             from ..planner import choose_plan
 
-            return choose_plan(model, cluster, inputs, kinds=("pipeline",), recompute=recompute).plan.to_json()
+            choice = choose_plan(
+                model, cluster, inputs, kinds=("pipeline",), recompute=recompute,
+                theory_options={"precision": precision} if precision is not None else None,
+            )  # fmt: skip
+            return choice.plan.to_json()
         batch = next(x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim())
         micro = micro_batches(inputs, num_micro, batch)[0]
-        return plan_pipeline(model, cluster, micro, num_micro=num_micro, recompute=recompute).to_json()
+        theory = None
+        if precision is not None:
+            from ..theory import derive, trace
+
+            theory = derive(trace(model, micro), precision=precision)
+        return plan_pipeline(model, cluster, micro, num_micro=num_micro, recompute=recompute, theory=theory).to_json()
 
     return PipelinePlan.from_json(broadcast_json(make))
 
