@@ -371,5 +371,6 @@ def test_a_pipelined_compile_prices_its_cuts_at_the_precision_it_runs(num_micro)
     rate is 4x its fp32 one the planned step is much shorter (it was priced at fp32 before)."""
     base = two_groups().to_dict()  # at 1e-4 of its flop rates, compute dominates the step
     slow = [{**g, "flops": g["flops"] * 1e-4, "flops_bf16": 4e-4 * g["flops"]} for g in base["group"]]
-    fp32, bf16 = run_distributed(_agreed_times, 1, Cluster.from_dict({**base, "group": slow}), num_micro, timeout=300)[0]
+    cluster = Cluster.from_dict({**base, "group": slow})
+    fp32, bf16 = run_distributed(_agreed_times, 1, cluster, num_micro, timeout=300)[0]
     assert bf16 < 0.6 * fp32, (fp32, bf16)
