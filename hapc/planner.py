@@ -635,6 +635,9 @@ def _price_pipelines(
                 f"{pplan.num_micro} of {num_micro} micro-batches of {rows} each, all-reduce across replicas "
                 f"<= {sync * 1e3:.3g} ms per stage, eta {pplan.eta:.0%}"
             )
+        recomputing = [str(k + 1) for k, s in enumerate(pplan.stages) if s.recompute]
+        if recomputing:  # activations recomputed in backward where memory binds (hapc.pipeline.dp)
+            summary += f", stage(s) {', '.join(recomputing)} recompute"
         seconds = time.perf_counter() - (t0 if R == 1 else t1)
         est = KindEstimate(label, "feasible", pplan.time, summary=summary, seconds=seconds, replicas=R,
                            num_micro=num_micro)  # fmt: skip

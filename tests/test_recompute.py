@@ -263,3 +263,15 @@ def test_compile_recomputes_where_the_planner_chose_and_trains_as_one_device():
         assert_close(res["state"], ref["state"], F64, f"rank {rank} state")
     forced = run_distributed(_compile_job, 2, _two_groups("4 GiB"), "always", timeout=240)
     assert [r["recomputes"] for r in forced] == [True, True]  # forced, where memory does not bind
+
+
+def test_the_kinds_table_says_which_stages_recompute():
+    from hapc.planner import choose_plan
+
+    model, inputs = _model("gpt", 8)
+    cluster = hapc.Cluster.from_dict(_two_groups("4 GiB"))
+    forced = choose_plan(model, cluster, inputs, kinds=("pipeline",), num_micro=4, recompute="always")
+    assert all(s.recompute for s in forced.plan.stages)
+    assert any("stage(s) 1, 2 recompute" in k.summary for k in forced.kinds)
+    plain = choose_plan(model, cluster, inputs, kinds=("pipeline",), num_micro=4)
+    assert not any("recompute" in k.summary for k in plain.kinds)
