@@ -189,8 +189,8 @@ class RankProgram:
                         while n is not g._root:  # hapc.codegen.regions
                             if ref.region is not None:  # recomputed in backward
                                 n.meta[REGION] = ref.region
-                            if ref.autocast:  # run under the model's torch.autocast contexts
-                                n.meta[AUTOCAST] = ref.autocast
+                            if ref.autocast and isinstance(ins, Compute):  # under the model's autocast contexts
+                                n.meta[AUTOCAST] = ref.autocast  # (collectives stay outside: recompute cuts at them)
                             n = n.next
                     if isinstance(ins, Loss):
                         loss = out

@@ -86,7 +86,7 @@ def _communicates(n: fx.Node) -> bool:
     return getattr(target, "__module__", "").startswith("hapc.collectives")
 
 
-def _outline(gm: fx.GraphModule, run: list[fx.Node], name: str, target: Any, lead: tuple) -> bool:
+def outline(gm: fx.GraphModule, run: list[fx.Node], name: str, target: Any, lead: tuple) -> bool:
     """Move ``run`` into a submodule ``name`` of ``gm`` called as ``target(module, *lead, *inputs)``
     (returning a tuple of the run's values read outside it); ``False`` where nobody reads them."""
     g = gm.graph
@@ -137,7 +137,7 @@ def checkpoint_regions(gm: fx.GraphModule) -> int:
                 stream = g.get_attr("rng")
         else:
             stream = None
-        if _outline(gm, run, f"region{made}", checkpointed, (stream,)):
+        if outline(gm, run, f"region{made}", checkpointed, (stream,)):
             made += 1
         elif stream is not None:
             g.erase_node(stream)
@@ -174,7 +174,7 @@ def autocast_regions(gm: fx.GraphModule) -> int:
     for mod in [gm, *(m for m in gm.children() if isinstance(m, fx.GraphModule))]:
         count = 0
         for run in _runs(mod.graph, AUTOCAST):
-            if _outline(mod, run, f"autocast{count}", autocasted, (run[0].meta[AUTOCAST],)):
+            if outline(mod, run, f"autocast{count}", autocasted, (run[0].meta[AUTOCAST],)):
                 count += 1
         if count:
             mod.graph.lint()

@@ -23,12 +23,11 @@ Exactness, as for a user's checkpoint regions (:mod:`hapc.codegen.regions`):
 
 from __future__ import annotations
 
-import operator
 import warnings
 
 import torch.fx as fx
 
-from ..codegen.regions import checkpointed
+from ..codegen.regions import checkpointed, outline
 
 #: the key under which a stage's program nodes carry their run
 RUN = "hapc_recompute"
@@ -67,39 +66,16 @@ def recompute_program(gm: fx.GraphModule) -> int:
     rng = getattr(gm, "rng", None)
     made = 0
     for run in _runs(g):
-        inside = set(run)
-        inputs: list[fx.Node] = []
-        for n in run:
-            for a in n.all_input_nodes:
-                if a not in inside and a not in inputs:
-                    inputs.append(a)
-        outputs = [n for n in run if any(u not in inside for u in n.users)]
-        if not outputs:
-            continue
-        pos = {n: i for i, n in enumerate(g.nodes)}
-        for a in inputs:  # parameter reads interleaved with the run: before it (they read nothing)
-            if a.op == "get_attr" and pos[a] > pos[run[0]]:
-                run[0].prepend(a)
-        sub = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {a: sub.placeholder(a.name) for a in inputs}
-        for n in run:
-            env[n] = sub.node_copy(n, env.__getitem__)
-        sub.output(tuple(env[o] for o in outputs))
-        name = f"recompute{made}"
-        gm.add_submodule(name, fx.GraphModule(gm, sub, class_name=f"Recompute{made}"))
-        with g.inserting_before(run[0]):
-            module = g.get_attr(name)
-            stream = None
-            if rng is not None:
-                with warnings.catch_warnings():  # fx asks get_attr targets to be modules or tensors; rng is neither
-                    warnings.simplefilter("ignore", UserWarning)
-                    stream = g.get_attr("rng")
-            call = g.call_function(checkpointed, (module, stream, *inputs), name=f"{name}_out")
-            for i, o in enumerate(outputs):
-                o.replace_all_uses_with(g.call_function(operator.getitem, (call, i), name=f"{o.name}_rc"))
-        for n in reversed(run):
-            g.erase_node(n)
-        made += 1
+        stream = None
+        if rng is not None:
+            with g.inserting_before(run[0]), warnings.catch_warnings():
+                # fx asks get_attr targets to be modules or tensors; rng is neither
+                warnings.simplefilter("ignore", UserWarning)
+                stream = g.get_attr("rng")
+        if outline(gm, run, f"recompute{made}", checkpointed, (stream,)):
+            made += 1
+        elif stream is not None:
+            g.erase_node(stream)
     if made:
         g.lint()
         gm.recompile()
