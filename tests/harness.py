@@ -8,6 +8,7 @@ parent does the same on one device and compares everything.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +42,37 @@ def train(module: Any, inputs: Any, first: float, steps: int, opt: str) -> tuple
         losses.append(loss.detach().item())
         optimizer.step()
     return losses, optimizer
+
+
+def pipeline_steps(pm: Any, inputs: Any, steps: int, opt: str = "sgd", first: Any = None) -> dict[str, Any]:
+    """``steps`` optimizer steps of a pipelined module (``train_step``) on one batch: each step's
+    loss, the first step's whole gradients and the final whole state. ``first``: a context manager
+    the first step runs in (e.g. autograd hooks counting what it saves)."""
+    optimizer = make_optimizer(opt, pm.parameters())
+    with first if first is not None else contextlib.nullcontext():
+        losses = [pm.train_step(*inputs).item()]
+    grads = pm.full_gradients()
+    for _ in range(steps - 1):
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(pm.train_step(*inputs).item())
+    optimizer.step()
+    return {"losses": losses, "grads": grads, "state": pm.full_state_dict()}
+
+
+def one_device_steps(model: Any, inputs: Any, steps: int, opt: str = "sgd") -> dict[str, Any]:
+    """The single-device reference of :func:`pipeline_steps`: losses, first gradients, final state."""
+    optimizer = make_optimizer(opt, model.parameters())
+    losses, grads = [], None
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = model(*inputs)
+        loss.backward()
+        losses.append(loss.item())
+        if grads is None:
+            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        optimizer.step()
+    return {"losses": losses, "grads": grads, "state": dict(model.state_dict())}
 
 
 def sgd_steps(module: Any, inputs: Any, steps: int = 2, lr: float = 0.1, momentum: float = 0.0) -> list[float]:

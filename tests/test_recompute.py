@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import assert_close, make_optimizer
+from harness import assert_close, one_device_steps, pipeline_steps
 from torch import nn
 
 import hapc
@@ -84,20 +84,10 @@ def _job(rank, world, alias, batch, weights, ranks, flops, warmups, num_micro, r
     )
     pm = PipelineModule(model, inputs, spec)
     checkpoints = sum(n.target is regions.checkpointed for n in pm.module.program.graph.nodes)
-    optimizer = make_optimizer("sgd", pm.parameters())
     saved, hooks = _saved_bytes()
-    with hooks:
-        losses = [pm.train_step(*inputs).item()]
-    grads = pm.full_gradients()
-    for _ in range(STEPS - 1):
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(pm.train_step(*inputs).item())
-    optimizer.step()
+    out = pipeline_steps(pm, inputs, STEPS, first=hooks)
     return {
-        "losses": losses,
-        "grads": grads,
-        "state": pm.full_state_dict(),
+        **out,
         "checkpoints": checkpoints,
         "saved": saved[0],
         "stage": pm.stage,
@@ -106,18 +96,7 @@ def _job(rank, world, alias, batch, weights, ranks, flops, warmups, num_micro, r
 
 
 def _single(alias, batch):
-    model, inputs = _model(alias, batch)
-    optimizer = make_optimizer("sgd", model.parameters())
-    losses, grads = [], None
-    for _ in range(STEPS):
-        optimizer.zero_grad()
-        loss = model(*inputs)
-        loss.backward()
-        losses.append(loss.item())
-        if grads is None:
-            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-        optimizer.step()
-    return {"losses": losses, "grads": grads, "state": dict(model.state_dict())}
+    return one_device_steps(*_model(alias, batch), STEPS)
 
 
 CASES = [
@@ -236,15 +215,7 @@ def _compile_job(rank, world, cluster, recompute):
     torch.set_num_threads(1)
     model, inputs = _model("gpt", 8)
     pm = hapc.compile(model, hapc.Cluster.from_dict(cluster), inputs, pipeline=True, num_micro=4, recompute=recompute)
-    optimizer = make_optimizer("sgd", pm.parameters())
-    losses = [pm.train_step(*inputs).item()]
-    grads = pm.full_gradients()
-    for _ in range(STEPS - 1):
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(pm.train_step(*inputs).item())
-    optimizer.step()
-    return {"losses": losses, "grads": grads, "state": pm.full_state_dict(), "recomputes": pm.recomputes}
+    return {**pipeline_steps(pm, inputs, STEPS), "recomputes": pm.recomputes}
 
 
 def test_compile_recomputes_where_the_planner_chose_and_trains_as_one_device():
