@@ -96,7 +96,12 @@ def main() -> None:
     ap.add_argument("--json", default=str(Path(__file__).with_suffix(".json")))
     args = ap.parse_args()
     r = run(
-        args.micro, args.model, args.cluster, batch=args.batch, seq=args.seq, recompute=args.recompute,
+        args.micro,
+        args.model,
+        args.cluster,
+        batch=args.batch,
+        seq=args.seq,
+        recompute=args.recompute,
         precision=args.precision,
     )
     print(r["table"])

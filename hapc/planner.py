@@ -613,7 +613,14 @@ def _price_pipelines(
         t1 = time.perf_counter()
         try:
             pplan = plan_pipeline(
-                model, cluster, micro, num_micro=num_micro, theory=th, replicas=R, layout=layout, cache=cache,
+                model,
+                cluster,
+                micro,
+                num_micro=num_micro,
+                theory=th,
+                replicas=R,
+                layout=layout,
+                cache=cache,
                 recompute=recompute,
             )
         except HapcError as exc:  # PlanningError: no pipeline fits (memory, layers, links)

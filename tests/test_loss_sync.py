@@ -322,6 +322,7 @@ def _slow_rank0_outputs(rank, world):
     m = hapc.compile(model, "local-cpu:2", (x, y), plan=None, baseline="dp-cp")
     real = outputs.gather_impl
     if rank == 0:
+
         def late(*args, **kwargs):
             time.sleep(0.3)  # six deadlines (DEADLINE_S = 50 ms)
             return real(*args, **kwargs)

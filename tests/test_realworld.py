@@ -138,7 +138,8 @@ CASES = [
     [
         # the default plan on 2 processes runs in `make test`; the rest (the slowest) in `make test-slow`
         pytest.param(
-            *c, id=f"{c[0]}-{c[1]}-{next(iter(c[3]), 'default')}",
+            *c,
+            id=f"{c[0]}-{c[1]}-{next(iter(c[3]), 'default')}",
             marks=[pytest.mark.slow] * (c[1] > 2 or bool(c[3]) or c[0] in SLOW_ONLY),
         )
         for c in CASES

@@ -410,6 +410,7 @@ def _state_unchanged(model: nn.Module) -> Any:
     ``p.data = ...``) happens once, at capture -- the graph would hold that moment's value and training
     would never replay it. (``_restoring`` then puts the buffers back.)"""
     state = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+
     def where(t: torch.Tensor) -> tuple:
         return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
 
