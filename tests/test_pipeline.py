@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 import torch
-from harness import assert_close, make_optimizer
+from harness import assert_close, make_optimizer, one_device_steps, pipeline_steps
 
 import hapc
 from hapc import models
@@ -45,30 +45,11 @@ def _job(rank, world, alias, batch, weights, ranks, flops, warmups, num_micro, o
         num_micro=num_micro,
     )
     pm = PipelineModule(model, inputs, spec)
-    optimizer = make_optimizer(opt, pm.parameters())
-    losses = [pm.train_step(*inputs).item()]
-    grads = pm.full_gradients()
-    for _ in range(STEPS - 1):
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(pm.train_step(*inputs).item())
-    optimizer.step()
-    return {"losses": losses, "grads": grads, "state": pm.full_state_dict()}
+    return pipeline_steps(pm, inputs, STEPS, opt)
 
 
 def _single(alias, batch, opt):
-    model, inputs = _model(alias, batch)
-    optimizer = make_optimizer(opt, model.parameters())
-    losses, grads = [], None
-    for _ in range(STEPS):
-        optimizer.zero_grad()
-        loss = model(*inputs)
-        loss.backward()
-        losses.append(loss.item())
-        if grads is None:
-            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-        optimizer.step()
-    return {"losses": losses, "grads": grads, "state": dict(model.state_dict())}
+    return one_device_steps(*_model(alias, batch), STEPS, opt)
 
 
 CASES = [
