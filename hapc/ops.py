@@ -30,6 +30,18 @@ def sum_div(x: torch.Tensor, dim: int | Sequence[int] | None, keepdim: bool, div
     return s / divisor
 
 
+def add_bias(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``y + bias`` in ``y``'s dtype: the bias add of ``nn.Linear`` / ``nn.Conv*d``, kept apart from the
+    product (a row-parallel linear adds it after the reduction). ``F.linear(x, w, b)`` under
+    ``torch.autocast`` casts ``b`` with ``x`` and ``w``, so its result is bfloat16; a plain
+    ``y + b`` of a bfloat16 product and a float32 bias would promote to float32. Outside autocast the
+    two dtypes agree and the cast is a no-op. The rules are those of ``add`` (``__hapc_op__``)."""
+    return y + bias.to(y.dtype)
+
+
+add_bias.__hapc_op__ = "add"  # type: ignore[attr-defined]
+
+
 def embedding_shard(
     idx: torch.Tensor, weight: torch.Tensor, start: int, padding_idx: int | None = None
 ) -> torch.Tensor:

@@ -161,3 +161,40 @@ def test_an_autocast_region_inside_a_checkpoint_region_is_recomputed_under_its_c
         for k, v in model.state_dict().items():
             _close(got["state"][k], v, f"checkpointed autocast: {k}")
             assert not torch.equal(v, ref.state_dict()[k])  # it trained
+
+
+class RowParallelHead(nn.Module):
+    """A column-parallel then a row-parallel linear under tensor parallelism: the second's bias is
+    added after the all-reduce, apart from the product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.b(F.gelu(self.a(x)))
+        return F.mse_loss(out.float(), y), out
+
+
+def _row_parallel_job(rank, world):
+    torch.manual_seed(0)
+    module = hapc.compile(RowParallelHead(), CLUSTERS[world], _data(), baseline="tp", ratios=UNEVEN[world])
+    with torch.autocast("cpu", dtype=BF16):
+        loss, out = module(*_data())
+    return {"code": module.code, "loss": float(loss), "out": out.detach()}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_row_parallel_bias_added_after_the_reduction_keeps_autocasts_dtype(world):
+    """``F.linear(x, w, b)`` under autocast casts its bias with the product: the result is bfloat16.
+    The program adds a row-parallel linear's bias after the all-reduce; a plain ``+`` of the bf16
+    product and the float32 bias promoted to float32, unlike one device (``hapc.ops.add_bias``)."""
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=BF16):
+        loss, out = RowParallelHead()(*_data())
+    assert out.dtype == BF16
+    for rank, got in enumerate(run_distributed(_row_parallel_job, world)):
+        assert "C.all_reduce(" in got["code"] and "hapc.ops.add_bias(" in got["code"], got["code"]
+        assert got["out"].dtype == out.dtype, f"rank {rank}: {got['out'].dtype}"
+        _close(got["out"], out.detach(), f"{world} ranks, rank {rank}: output")
+        _close(got["loss"], float(loss), f"{world} ranks, rank {rank}: loss")

@@ -61,8 +61,8 @@ def test_sharded_convolution_bias_fused_and_row_parallel_bias_kept_apart(tmp_pat
     for code in codes:
         assert "torch.conv2d(" in code and "None, (1, 1)" not in code, code
         assert not re.search(r"_bias\.(view|reshape)\(", code), code
-    # the row-parallel linear's bias follows its all-reduce
-    after_reduce = r"= C\.all_reduce\(linear\w*, self\.group\)\n\s+\w+ = \w+ \+ self\.\w+_bias"
+    # the row-parallel linear's bias follows its all-reduce (in the product's dtype, as F.linear's)
+    after_reduce = r"= C\.all_reduce\(linear\w*, self\.group\)\n\s+\w+ = hapc\.ops\.add_bias\(\w+, self\.\w+_bias\)"
     assert any(re.search(after_reduce, c) for c in codes)
     check_plan("cnn", MKW, cluster, plan, 3)
 

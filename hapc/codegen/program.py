@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from .. import collectives as C
 from ..balance.rounding import bounds
+from ..ops import add_bias
 from ..plan import Plan
 from ..theory.graph import BUFFER, INPUT, PARAM
 from ..theory.instructions import Collective, Compute, Loss, Source
@@ -252,7 +253,7 @@ class RankProgram:
         backward) -- measured 10-15% of a small CNN's step on CPU."""
         g = self.graph
         for add in list(g.nodes):
-            if add.op != "call_function" or add.target is not operator.add or len(add.args) != 2:
+            if add.op != "call_function" or add.target not in (operator.add, add_bias) or len(add.args) != 2:
                 continue
             for lin, bias in (add.args, add.args[::-1]):
                 if not (isinstance(lin, fx.Node) and isinstance(bias, fx.Node)):

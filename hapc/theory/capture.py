@@ -10,7 +10,7 @@ and records the ATen ops that reach the dispatcher -- whatever Python the model 
 This module maps that ATen graph back onto the torch-level vocabulary the rules are written in,
 so the theory, the rules and codegen see the same graph either way:
 
-* ``aten.linear(x, w, b)`` becomes ``F.linear(x, w)`` + ``b`` (as :mod:`.normalize` does for
+* ``aten.linear(x, w, b)`` becomes ``F.linear(x, w)`` + ``b`` (``hapc.ops.add_bias``, as :mod:`.normalize` does for
   ``nn.Linear``: the row-parallel linear needs the bias add apart), ``aten.conv2d`` likewise;
   ``aten.embedding(w, i)`` becomes ``F.embedding(i, w)``, ``aten.cross_entropy_loss(.., 1, ..)``
   becomes ``F.cross_entropy(.., reduction="mean")`` (then decomposed into ``sum / count``);
@@ -569,7 +569,9 @@ def _with_bias(t: _Translator, y: fx.Node, bias: Any, node: fx.Node, channel_dim
         return y
     if channel_dims:
         bias = t.emit("view", (bias, -1, *([1] * channel_dims)), {}, node, method=True)
-    return t.emit(operator.add, (y, bias), {}, node)
+    from ..ops import add_bias  # in y's dtype, as the fused op's own bias under autocast
+
+    return t.emit(add_bias, (y, bias), {}, node)
 
 
 @special("linear")  # the bias add apart, as nn.Linear is normalised (row-parallel linear)

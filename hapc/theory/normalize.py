@@ -1,8 +1,9 @@
 """Standard modules -> their functional form, so every rule is written once (DESIGN §3).
 
-``nn.Linear`` becomes ``F.linear(x, weight)`` followed by ``+ bias``: keeping the bias add separate
-is what lets the theory express Megatron's row-parallel linear (the product is ``Partial``; the
-bias is added after the all-reduce). ``nn.Conv2d`` likewise. Dropout with ``p == 0`` or in eval
+``nn.Linear`` becomes ``F.linear(x, weight)`` followed by ``hapc.ops.add_bias(y, bias)`` (an ``add``
+to the rules; in ``y``'s dtype, as ``F.linear`` casts its bias under autocast): keeping the bias add
+separate is what lets the theory express Megatron's row-parallel linear (the product is
+``Partial``; the bias is added after the all-reduce). ``nn.Conv2d`` likewise. Dropout with ``p == 0`` or in eval
 mode disappears. A module not in the table stays a leaf call and gets only the replicate
 triple unless a rule is registered for its class.
 """
@@ -10,7 +11,6 @@ triple unless a rule is registered for its class.
 from __future__ import annotations
 
 import inspect
-import operator
 from collections.abc import Callable
 
 import torch
@@ -45,7 +45,9 @@ def _add_bias(g: fx.Graph, y: fx.Node, m: nn.Module, qual: str, channel_dims: in
     b = _attr(g, qual, "bias")
     if channel_dims:
         b = g.call_method("view", (b, -1, *([1] * channel_dims)))
-    return _call(g, operator.add, y, b)
+    from ..ops import add_bias  # in y's dtype, as F.linear's own bias under autocast
+
+    return _call(g, add_bias, y, b)
 
 
 @normalises(nn.Linear)

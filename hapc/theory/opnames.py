@@ -109,6 +109,9 @@ def canonical_name(target: Any, is_method: bool = False) -> str:
         return canonical_method(str(target))
     if isinstance(target, str):
         return target
+    alias = getattr(target, "__hapc_op__", None)  # a spelling of a built-in op (``hapc.ops.add_bias``)
+    if alias is not None:
+        return alias
     found = _builtin_table().get(id(target))
     if found is not None:
         return found
