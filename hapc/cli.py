@@ -433,7 +433,10 @@ def cmd_profile(ns: argparse.Namespace) -> int:
 
     console = _console()
     sizes = tuple(int(parse_quantity(s.strip(), "--sizes", SIZE)) for s in ns.sizes.split(","))
-    kwargs = {"sizes": sizes, "reps": ns.reps, "gemm": ns.gemm, "name": ns.name, "out": ns.out}
+    half = [] if ns.half.strip().lower() in ("", "none") else [p.strip() for p in ns.half.split(",")]
+    if any(p not in ("bf16", "fp16") for p in half):
+        raise HapcError(f"--half takes bf16, fp16 or both separated by a comma (none: neither), got {ns.half!r}")
+    kwargs = {"sizes": sizes, "reps": ns.reps, "gemm": ns.gemm, "half": half, "name": ns.name, "out": ns.out}
     if ns.speeds and ns.local is None:
         raise HapcError("--speeds emulates device speeds on local processes: give it with --local N")
     if ns.local is not None:
@@ -598,6 +601,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--reps", type=_positive_int, default=5, help="timed repetitions per measurement (median kept)")
     f.add_argument("--gemm", type=_positive_int, default=1024, help="matrix size for the flops measurement")
     f.add_argument("--name", default="profiled", help="cluster name")
+    f.add_argument(
+        "--half",
+        default="bf16,fp16",
+        help="half precisions whose GEMM rate is measured too (flops_bf16 / flops_fp16, for precision=); none: neither",
+    )
     f.add_argument(
         "--speeds",
         metavar="S,S,...",

@@ -4,7 +4,9 @@ Run under ``torchrun`` (one process per device), or with ``--local N`` for N loc
 processes. Every rank measures
 
 * its sustained matrix-multiply rate (``flops``: ``2 n^3 / t`` of an ``n x n`` GEMM, in the
-  dtype asked for),
+  dtype asked for), and the same GEMM in bfloat16 and float16 (``flops_bf16`` / ``flops_fp16``:
+  what a plan with ``precision="bf16"`` / ``"fp16"`` prices, since autocast runs its matrix
+  multiplies in that dtype; a dtype the device cannot multiply in is left out of the file),
 * its memory bandwidth (``2 * bytes / t`` of a large copy) and memory capacity,
 * its per-operator overhead (``op_overhead``): the framework's fixed work per operator launch
   (Python, dispatch, autograd bookkeeping), from the forward + backward time of a chain of ``k``
@@ -66,6 +68,8 @@ class DeviceReport:
     mem_bandwidth: float
     memory: float
     op_overhead: float = 0.0
+    flops_bf16: float = 0.0  # 0: not measured, or the device cannot multiply in bfloat16
+    flops_fp16: float = 0.0
 
 
 def _sync(device: torch.device) -> None:
@@ -128,6 +132,29 @@ def measure_flops(
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     return 2 * n**3 / _loop_time(lambda: a @ b, device, reps, window, synced)
+
+
+def measure_half_flops(device: torch.device, precision: str, n: int = 1024, **timing: Any) -> float:
+    """:func:`measure_flops` in the half dtype of ``precision`` (``"bf16"`` / ``"fp16"``); 0.0 where
+    the device has no matrix multiply in it (the cluster file then leaves the rate out, and a plan
+    asking for that precision is refused naming the key)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    try:
+        # a device may emulate the dtype hundreds of times slower (float16 on most CPUs): a probe
+        # GEMM first, and the timed one shrunk so that one multiply takes about 0.1 s at most
+        m = min(n, 256)
+        a = torch.randn(m, m, device=device, dtype=dtype)
+        a @ a  # the first call also initialises the kernels
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ a
+        _sync(device)
+        probe = max(time.perf_counter() - t0, 1e-9)
+        if probe * (n / m) ** 3 > 0.1:
+            n = max(m // 2, int(m * (0.1 / probe) ** (1 / 3)))
+        return measure_flops(device, dtype, n, **timing)
+    except (RuntimeError, NotImplementedError):  # e.g. "addmm_impl_cpu_" not implemented for 'Half'
+        return 0.0
 
 
 def measure_mem_bandwidth(
@@ -298,7 +325,9 @@ def gather_reports(mine: DeviceReport, device: torch.device) -> list[DeviceRepor
     world = dist.get_world_size()
     names = torch.stack([_encode(mine.host, device), _encode(mine.kind, device)])
     nums = torch.tensor(
-        [mine.flops, mine.mem_bandwidth, mine.memory, mine.op_overhead], dtype=torch.float64, device=device
+        [mine.flops, mine.mem_bandwidth, mine.memory, mine.op_overhead, mine.flops_bf16, mine.flops_fp16],
+        dtype=torch.float64,
+        device=device,
     )
     all_names = [torch.empty_like(names) for _ in range(world)]
     all_nums = [torch.empty_like(nums) for _ in range(world)]
@@ -338,6 +367,9 @@ def build_cluster(
         )
         if any(r.op_overhead for r in run):
             groups[-1]["op_overhead"] = max(r.op_overhead for r in run)
+        for key in ("flops_bf16", "flops_fp16"):  # only where every member multiplies in that dtype
+            if all(getattr(r, key) > 0 for r in run):
+                groups[-1][key] = min(getattr(r, key) for r in run)
     one_host = len({r.host for r in reports}) == 1
     alpha, beta = collectives.get("broadcast", (0.0, 0.0, None))[:2]
     link = {"bandwidth": 1.0 / max(beta, 1e-12), "latency": alpha}  # flat timings: 1 TB/s, not infinite
@@ -352,6 +384,13 @@ def build_cluster(
     return Cluster.from_dict(data)
 
 
+def _check_half(half: Sequence[str]) -> list[str]:
+    bad = [p for p in half if p not in ("bf16", "fp16")]
+    if bad:
+        raise HapcError(f"half precisions to measure are 'bf16' and 'fp16', got {bad[0]!r}")
+    return list(dict.fromkeys(half))
+
+
 def profile(
     *,
     sizes: Sequence[int] = DEFAULT_SIZES,
@@ -360,6 +399,7 @@ def profile(
     window: float = 0.02,
     gap: float = 0.0,
     dtype: torch.dtype = torch.float32,
+    half: Sequence[str] = ("bf16", "fp16"),
     name: str = "profiled",
     out: str | None = None,
 ) -> tuple[Cluster, dict[str, Any]]:
@@ -367,11 +407,13 @@ def profile(
 
     ``window``: seconds each timed loop of device measurements lasts (longer: steadier numbers).
     ``gap``: seconds of computation before each timed collective instead of a barrier (see
-    :func:`measure_collectives`).
+    :func:`measure_collectives`). ``half``: the precisions whose GEMM rate is measured too
+    (``flops_bf16`` / ``flops_fp16`` in the file; ``()``: none).
 
     Returns the cluster and the raw measurements; rank 0 writes ``out`` when given."""
     if not dist.is_initialized():
         raise HapcError("hapc profile runs under torchrun (or pass --local N to start N local processes)")
+    half = _check_half(half)
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     world_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
@@ -389,6 +431,7 @@ def profile(
         mem_bandwidth=measure_mem_bandwidth(device, **timing),
         memory=device_memory(device, world_on_host),
         op_overhead=measure_op_overhead(device, **timing),
+        **{f"flops_{p}": measure_half_flops(device, p, gemm, **timing) for p in half},
     )
     reports = gather_reports(mine, device)
     collectives = measure_collectives(device, sizes, reps, gap)

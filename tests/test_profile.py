@@ -37,12 +37,25 @@ def test_groups_are_runs_of_one_device_kind_in_rank_order():
     assert Cluster.load(_roundtrip(c)).to_dict() == c.to_dict()
 
 
+def test_half_precision_rates_are_a_groups_slowest_and_left_out_where_a_member_lacks_them():
+    r = [
+        DeviceReport("h0", "a100", 150e12, 1.5e12, 40e9, flops_bf16=300e12, flops_fp16=310e12),
+        DeviceReport("h0", "a100", 140e12, 1.5e12, 40e9, flops_bf16=280e12, flops_fp16=0.0),
+        DeviceReport("h1", "v100", 60e12, 0.9e12, 32e9, flops_fp16=120e12),
+    ]
+    c = build_cluster(r, {p: (1e-5, 1e-10, []) for p in PRIMITIVES})
+    a100, v100 = c.groups
+    assert (a100.flops_bf16, a100.flops_fp16) == (280e12, None)  # one member has no fp16 GEMM
+    assert (v100.flops_bf16, v100.flops_fp16) == (None, 120e12)
+    assert Cluster.load(_roundtrip(c)).to_dict() == c.to_dict()
+
+
 def _roundtrip(c: Cluster) -> dict:
     return tomllib_loads(c.to_toml())
 
 
 def _job(rank, world):
-    cluster, raw = profile(sizes=(1024, 65536, 262144), reps=2, gemm=128)
+    cluster, raw = profile(sizes=(1024, 65536, 262144), reps=2, gemm=128, half=("bf16",))
     return cluster.to_toml(), raw["devices"][rank]["flops"], raw["collectives"]
 
 
@@ -67,6 +80,10 @@ def test_profile_measures_a_live_group():
     model, inputs = models.load("mlp")
     plan = hapc.synthesize(model, cluster, inputs)  # the measured cluster is directly usable
     assert len(plan.device_ratios) == 2
+    # the bf16 GEMM rate was measured (torch multiplies bf16 on CPU), so a bf16 plan prices it
+    assert cluster.groups[0].flops_bf16 > 1e8 and cluster.groups[0].flops_fp16 is None
+    bf16 = hapc.synthesize(model, cluster, inputs, precision="bf16")
+    assert bf16.time != plan.time
 
 
 def test_cli_profile_local_writes_a_cluster_file(tmp_path, capsys):
@@ -76,6 +93,7 @@ def test_cli_profile_local_writes_a_cluster_file(tmp_path, capsys):
         == 0
     )
     assert Cluster.load(str(out)).num_devices == 2
+    assert Cluster.load(str(out)).groups[0].flops_bf16 > 0  # --half bf16,fp16 by default
     assert "all_reduce" in capsys.readouterr().out
 
 
