@@ -18,10 +18,11 @@ CPU autocast differs on a few ops (e.g. ``layer_norm`` and ``softmax`` stay bf16
 predicted bytes are the CUDA ones, and the runtime does not depend on them (it computes with
 whatever dtypes autocast gives, and a pipeline sends its boundary tensors in the traced dtype).
 
-hapc's graph holds ``nn.Linear`` as ``linear`` then ``add`` of the bias; the per-rank program fuses
-them back into ``F.linear(x, w, b)`` where the bias is added locally right away, so the table gives
-that add the product's half dtype (as autocast's ``F.linear`` returns). A row-parallel linear adds
-its bias after the reduction, unfused: there the program's sum is fp32 and the table's bf16.
+hapc's graph holds ``nn.Linear`` as ``linear`` then ``add`` of the bias (``hapc.ops.add_bias``, in
+the product's dtype); the per-rank program fuses them back into ``F.linear(x, w, b)`` where the bias
+is added locally right away, so the table gives that add the product's half dtype (as autocast's
+``F.linear`` returns). A row-parallel linear adds its bias after the reduction, unfused, and
+``add_bias`` keeps the half dtype there too.
 
 A model's own ``torch.autocast`` regions (``RefNode.autocast``, recorded by the capture and run
 under their contexts by the program) are honoured too: the innermost context decides, with or
