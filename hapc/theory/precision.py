@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from ..errors import HapcError
-from .graph import OP, PARAM, RefGraph, TensorMeta
+from .graph import OP, RefGraph, TensorMeta
 
 #: ``precision=`` values: None / the model's dtype (no autocast), or an autocast dtype
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -103,8 +103,8 @@ def autocast_graph(graph: RefGraph, dtype: torch.dtype | None) -> RefGraph:
         ops = [nodes[o] for o in n.operands]
         if half is None:
             out = _promoted(n.meta.dtype, [o.meta.dtype for o in ops], [graph[o].meta.dtype for o in n.operands])
-        elif _fused_bias(graph, n):  # F.linear / F.convNd with its bias, as the program fuses it back
-            out = ops[0].meta.dtype if graph[n.operands[0]].op in LOWER else ops[1].meta.dtype
+        elif _bias_add(n):  # nn.Linear / nn.ConvNd's bias: in the product's dtype, as F.linear's own
+            out = ops[0].meta.dtype
         else:
             now, was = [o.meta.dtype for o in ops], [graph[o].meta.dtype for o in n.operands]
             out = _out_dtype(n.op, n.meta.dtype, now, was, half)
@@ -130,19 +130,13 @@ def _in_effect(n: Any, dtype: torch.dtype | None) -> torch.dtype | None:
     return dtype
 
 
-def _fused_bias(graph: RefGraph, n: Any) -> bool:
-    """``add(product, bias)``: a matmul-like op's only use adding a 1-d parameter (or its
-    ``view``): ``nn.Linear`` / ``nn.ConvNd``'s bias, which the per-rank program fuses back into the
-    call (:meth:`hapc.codegen.program.RankProgram._fuse_linear_bias`) so autocast casts it too."""
-    if n.op != "add" or len(n.operands) != 2:
-        return False
-    a, b = (graph[o] for o in n.operands)
-    for prod, bias in ((a, b), (b, a)):
-        if bias.op in ("view", "reshape") and len(bias.operands) == 1:
-            bias = graph[bias.operands[0]]
-        if prod.op in LOWER and len(prod.users) == 1 and bias.kind == PARAM and bias.meta.rank == 1:
-            return True
-    return False
+def _bias_add(n: Any) -> bool:
+    """``hapc.ops.add_bias(product, bias)``: ``nn.Linear`` / ``nn.ConvNd``'s bias add, kept apart by the
+    capture; it returns the product's dtype, fused back into the call by the per-rank program
+    (:meth:`hapc.codegen.program.RankProgram._fuse_linear_bias`) or not (a row-parallel linear)."""
+    from ..ops import add_bias
+
+    return n.target is add_bias
 
 
 def _promoted(traced: torch.dtype, now: list[torch.dtype], was: list[torch.dtype]) -> torch.dtype:
