@@ -202,7 +202,7 @@ def _profile_job(rank: int, world: int, kwargs: dict[str, Any]) -> dict[str, Any
 
 
 def initial_profile(world: int, quick: bool) -> Cluster:
-    kwargs = {**(QUICK_PROFILE if quick else FULL_PROFILE), "gap": GAP, "name": f"local-gloo-{world}"}
+    kwargs = {**(QUICK_PROFILE if quick else FULL_PROFILE), "gap": GAP, "half": (), "name": f"local-gloo-{world}"}
     if not quick:
         kwargs["reps"] = 15
     return Cluster.from_dict(run_distributed(_profile_job, world, kwargs, timeout=600)[0])
