@@ -55,6 +55,8 @@ from ..theory.precision import autocast_dtype
 from ..theory.props import Layout
 from ..theory.rules.random import sample_drop_p
 from ..theory.triples import Theory
+from .constants import ConstantInputs, constant_inputs  # noqa: F401 (hapc.api imported it from here)
+from .constants import check_constant_inputs as _check_constant_inputs
 from .grad_norm import install as install_grad_norms
 from .odd_batch import OddBatches, is_odd
 from .program import RankProgram
@@ -105,8 +107,9 @@ class CompiledModule(nn.Module):
         self._input_names = [n.name for n in self._graph_inputs]  # the program's placeholders, in order
         # positional arguments bind by the model's signature: the graph omits unused inputs
         self._positional = _positional_names(_signature(model), theory.graph.input_names)
-        # forward parameters the capture took as constants (None, a flag): {name: value} (set by compile)
-        self._constant_inputs: dict[str, Any] = {}
+        # forward parameters the capture took as constants (None, a flag), and verdicts on other values
+        # for them (set by compile: hapc.codegen.constants)
+        self._constant_inputs = ConstantInputs({})
         self._free_dims = _sharded_input_dims(plan)
         self.device = torch.device(device) if device is not None else _default_device(group)
         if outputs not in ("whole", "local", "loss"):
@@ -1080,47 +1083,6 @@ def _warn_dropped_outputs(graph: Any) -> None:
             "transpose), or on one device for evaluation",
             DroppedOutputWarning,
             stacklevel=3,
-        )
-
-
-def constant_inputs(model: nn.Module, example_inputs: Any, graph: Any) -> dict[str, Any]:
-    """The forward parameters the capture took as constants: given (or left at their default) as
-    ``None`` or a plain Python value (a flag, a size), by name. The program computes the model
-    with those values; a call with another must be refused (:func:`_check_constant_inputs`)."""
-    from ..theory.capture import bind_keywords
-
-    sig = _signature(model)
-    if sig is None:
-        return {}
-    try:
-        given = bind_keywords(model, example_inputs)[0]
-    except HapcError:
-        return {}
-    traced = set(graph.input_names)
-    out: dict[str, Any] = {}
-    for name, p in sig.parameters.items():
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or name in traced:
-            continue
-        value = given[name] if name in given else p.default
-        if value is None or type(value) in (bool, int, float, str):
-            out[name] = value
-    return out
-
-
-def _check_constant_inputs(constants: dict[str, Any], bound: dict[str, Any]) -> None:
-    """Refuse a call that gives a constant input another value: the program would ignore it."""
-    for name, want in constants.items():
-        if name not in bound:
-            continue
-        got = bound[name]
-        if got is want or (type(got) is type(want) and got == want):
-            continue
-        shown = f"a tensor of shape {tuple(got.shape)}" if isinstance(got, torch.Tensor) else repr(got)
-        raise HapcError(
-            f"input {name!r} is {shown}, but the plan was made with {name}={want!r}: the capture took it as a "
-            f"constant ({'an optional input left at None' if want is None else 'a Python value'}), so the program "
-            f"would compute as if {name}={want!r} -- silently unlike the model. Pass {name}={want!r} (or leave it "
-            f"out), or compile again with this {name} in example_inputs (a second compiled module for the other case)"
         )
 
 
