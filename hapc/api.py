@@ -124,6 +124,7 @@ def compile(
     loss: str | int | None = None,
     outputs: str = "whole",
     recompute: str = "auto",
+    segmented: bool | None = None,
     **options: Any,
 ) -> Any:
     """This rank's part of ``model`` under ``plan`` (synthesized here when not given).
@@ -165,6 +166,15 @@ def compile(
             micro-batch count; default (``None``): the planner's cheapest among the divisors of the
             batch (:func:`hapc.planner.search_micro`); a count that does not divide the batch is
             refused (HapcError).
+        segmented: per-segment sharding ratios (HAP §5.2, :mod:`hapc.segmented`): the model cut into
+            segments, each an SPMD program with its own ratios on every device, rows re-sharded by
+            an all-to-all at each cut. ``None`` (default): one of the kinds the planner prices
+            (chosen where predicted faster); ``True``: forced (the planner picks the cuts);
+            ``False``: left out. A :class:`~hapc.segmented.SegmentedPlan` (or its saved file) as
+            ``plan`` runs it as planned. The result is a :class:`~hapc.segmented.SegmentedModule`
+            (``train_step``, or ``module(*batch)`` + ``backward()``; the global batch on every rank).
+            Options it cannot honour (``init``, ``leaf_modules``, ``capture``, ``loss``, ``outputs``,
+            ``num_micro``, a ``baseline`` or single ``ratios``, keyword inputs) are refused.
         recompute: a pipeline's activation recomputation: ``"auto"`` (default) -- the planner has a
             stage recompute its activations in backward where memory binds (an extra forward per
             micro-batch for fewer bytes held, :mod:`hapc.pipeline.dp`); ``"never"``; ``"always"``.
@@ -212,6 +222,8 @@ def compile(
 
     ensure_fresh(model)  # a model an earlier module trained past would start this one from stale weights
     cluster = Cluster.load(cluster) if not isinstance(cluster, Cluster) else cluster
+    if segmented and pipeline is not None:
+        raise HapcError(f"segmented=True and pipeline={pipeline} ask for two plan kinds: give one")
     if pipeline:
         if group is not None or plan is not None:
             raise HapcError("a pipelined compile runs on the whole job and plans itself: drop group= and plan=")
@@ -219,14 +231,22 @@ def compile(
             model, cluster, example_inputs, None, num_micro, schedule, timeout, options, recompute=recompute
         )
     blocked = _pipeline_blocked(
-        plan=plan, group=group, device=device, init=init, leaf_modules=tuple(leaf_modules), capture=capture, loss=loss,
-        outputs=outputs,
+        plan=None if _is_segmented(plan) else plan, group=group, device=device, init=init,
+        leaf_modules=tuple(leaf_modules), capture=capture, loss=loss, outputs=outputs,
     )  # fmt: skip
     if timeout is not None:
         group = _group_with_timeout(group, timeout)
     world = dist.get_world_size(group)
     if isinstance(plan, str):
-        plan = Plan.load(plan)
+        from .segmented import SegmentedPlan, is_segmented_file
+
+        plan = SegmentedPlan.load(plan) if is_segmented_file(plan) else Plan.load(plan)
+    if _is_segmented(plan) or segmented:
+        refused = _pipeline_blocked(
+            init=init, leaf_modules=tuple(leaf_modules), capture=capture, loss=loss, outputs=outputs,
+            num_micro=num_micro,
+        )  # fmt: skip
+        return _compile_segmented(model, cluster, example_inputs, plan, group, device, seed, refused, options)
     if plan is None and cluster.num_devices != world and cluster.virtual == "gpu":
         raise HapcError(
             f"cluster {cluster.name!r} has {cluster.num_devices} devices but the job has {world} processes; "
@@ -244,7 +264,7 @@ def compile(
     theory = derive(graph, **theory_opts)
     _verify_user_rules(theory, graph, example_inputs)
     if plan is None:
-        kinds = ("spmd",) if pipeline is False else KINDS
+        kinds = ("spmd",) if pipeline is False else KINDS if segmented is None else ("spmd", "pipeline")
         kind, plan, priced = _agree_on_choice(
             model, example_inputs, theory, cluster, group, options, theory_opts, kinds, num_micro, blocked, recompute
         )
@@ -252,6 +272,8 @@ def compile(
             return _compile_pipeline(
                 model, cluster, example_inputs, plan, num_micro, schedule, timeout, options, priced, seed=seed
             )
+        if kind == "segmented":
+            return _compile_segmented(model, cluster, example_inputs, plan, group, device, seed, None, options)
     plan.check(graph=theory.graph, cluster=cluster, world_size=world)  # the theory's: autocast dtypes
     module = CompiledModule(
         model, theory, plan, group=group, device=device, seed=seed, init=init, loss_sync=loss_sync, outputs=outputs
@@ -421,6 +443,72 @@ def _compile_pipeline(
     return piped
 
 
+def _is_segmented(plan: Any) -> bool:
+    from .segmented import SegmentedPlan
+
+    return isinstance(plan, SegmentedPlan)
+
+
+def _compile_segmented(
+    model: torch.nn.Module,
+    cluster: Cluster,
+    example_inputs: Any,
+    plan: Any,
+    group: Any,
+    device: Any,
+    seed: int,
+    blocked: str | None,
+    options: dict[str, Any],
+) -> Any:
+    """A :class:`~hapc.segmented.SegmentedModule` under ``plan`` (planned here, forced, when None:
+    rank 0 prices the segmented kind alone and sends the plan as JSON)."""
+    import torch.distributed as dist
+
+    from ._util import broadcast_json
+    from .codegen.original import guard
+    from .segmented import SegmentedModule, SegmentedPlan
+
+    if blocked is not None:
+        raise HapcError(f"per-segment ratios cannot run: {blocked}; drop them, or compile another plan kind")
+    spmd_only = [k for k in ("baseline", "ratios") if options.get(k) is not None]
+    if spmd_only:
+        raise HapcError(
+            f"{', '.join(spmd_only)} given: one ratio vector / baseline is an SPMD plan's; per-segment ratios are "
+            "planned per segment (hapc.segmented.plan_segmented(..., ratios=[...per segment...]) fixes them)"
+        )
+    from .theory import trace
+
+    _refuse_random_ops(trace(model, example_inputs), dist.get_world_size(group))
+    if plan is None:
+        world = dist.get_world_size(group)
+        if cluster.num_devices != world:
+            raise HapcError(
+                f"cluster {cluster.name!r} has {cluster.num_devices} devices but the job has {world} processes; "
+                "a segmented plan runs one process per device"
+            )
+        synth = {k: v for k, v in options.items() if k in SYNTH_OPTIONS}
+        theory_opts = {k: v for k, v in options.items() if k in THEORY_OPTIONS}
+
+        def make() -> dict[str, Any]:
+            try:
+                ch = choose_plan(
+                    model, cluster, example_inputs, kinds=("segmented",), synth_options=synth,
+                    theory_options=theory_opts,
+                )  # fmt: skip
+            except HapcError as exc:
+                return {"error": str(exc)}
+            return ch.plan.to_json()
+
+        data = broadcast_json(make, group=group)
+        if "error" in data:
+            raise HapcError(data["error"])
+        plan = SegmentedPlan.from_json(data)
+    plan.check(cluster=cluster)
+    module = SegmentedModule(model, example_inputs, plan, group=group, device=device, seed=seed)
+    guard(model, module)  # the model raises while stale: module.unwrap() writes the trained weights back
+    return module
+
+
 #: random ops without a rank-consistent draw (dropout, SDPA's dropout_p and stochastic depth have one:
 #: hapc.theory.rules.random), with the position and default of their ``training`` flag where they
 #: have one (None: random always)
@@ -524,5 +612,9 @@ def _agree_on_choice(
     if "error" in data:
         cls = getattr(errors, data["type"], HapcError)
         raise (cls if isinstance(cls, type) and issubclass(cls, HapcError) else HapcError)(data["error"])
+    if data["kind"] == "segmented":
+        from .segmented import SegmentedPlan
+
+        return "segmented", SegmentedPlan.from_json(data["plan"]), data["kinds"]
     plan = PipelinePlan.from_json(data["plan"]) if data["kind"] == "pipeline" else Plan.from_json(data["plan"])
     return data["kind"], plan, data["kinds"]

@@ -2,7 +2,7 @@
 
     hapc rules [--json]                      every op the theory knows and how it may shard
     hapc theory MODEL [--json] [--verify]    the Hoare-triple theory of a model
-    hapc synth MODEL --cluster C [--kind auto|spmd|pipeline] [--show-program] [--json PLAN]
+    hapc synth MODEL --cluster C [--kind auto|spmd|pipeline|segmented] [--show-program] [--json PLAN]
                [--baseline dp-ev|dp-cp|ep|tp|fsdp] [--emit-code DIR]
     torchrun --nproc-per-node N -m hapc.cli profile --out cluster.toml   (or: hapc profile --local N)
     hapc demo [--model M] [--cluster C]      the README's main job: synthesize, train, compare
@@ -32,7 +32,7 @@ from .errors import HapcError
 #: hapc.synth.baselines.BASELINES, spelled out so that parsing needs no torch (a test keeps them equal)
 BASELINES = ("dp-ev", "dp-cp", "ep", "tp", "fsdp")
 #: hapc.planner.KINDS, likewise
-KINDS = ("spmd", "pipeline")
+KINDS = ("spmd", "pipeline", "segmented")
 #: models.ZOO's aliases, likewise: an unknown model is refused before torch is imported
 ZOO_ALIASES = (
     "bert", "bert-base", "bert-moe", "bert-moe-base", "bert-moe5", "cnn", "cnn-pool", "gpt", "gpt-1.3b", "gpt-13b",
@@ -277,7 +277,7 @@ def cmd_synth(ns: argparse.Namespace) -> int:
         model,
         cluster,
         inputs,
-        kinds=("spmd",) if kind == "spmd" else KINDS,
+        kinds=(kind,) if kind in ("spmd", "segmented") else KINDS,
         num_micro=ns.micro,
         synth_options={
             "segments": ns.segments,
@@ -298,6 +298,12 @@ def cmd_synth(ns: argparse.Namespace) -> int:
             console.print(f"[yellow]{', '.join(unused)}: for SPMD plans (the pipeline's stages are planned when "
                           "it compiles); pass --kind spmd for one[/]")  # fmt: skip
         return _synth_pipeline(ns, model, inputs, cluster, console, plan=choice.plan)
+    if choice.kind == "segmented":  # per-segment ratios (HAP §5.2): each segment an SPMD plan of its own
+        console.print(f"[bold]{ns.model}[/] on {cluster.describe()}: {choice.plan.summary()}", markup=True)
+        console.print(kinds_table(choice.kinds))
+        if ns.json:
+            choice.plan.save(ns.json)
+        return 0
     plan = choice.plan
     if ns.json:
         plan.save(ns.json)
@@ -580,7 +586,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kind",
         default="auto",
         choices=["auto", *KINDS],
-        help="plan kind: auto (default) prices HAP SPMD and a HARP pipeline and takes the faster",
+        help="plan kind: auto (default) prices HAP SPMD, a HARP pipeline and per-segment ratios (HAP §5.2) "
+        "and takes the fastest",
     )
     y.add_argument("--pipeline", action="store_true", help="same as --kind pipeline")
     y.add_argument(

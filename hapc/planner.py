@@ -13,7 +13,13 @@ stages' SPMD programs with :func:`synthesize_theory` from here). It knows two *p
   for every ``R > 1`` dividing ``num_micro`` and every layout that tiles the cluster, each listed
   as ``pipeline xR (layout)``). Without a given ``num_micro`` the micro-batch count is chosen by
   cost too: a local search over the divisors of the batch (:func:`search_micro`,
-  :func:`micro_candidates`), every count it prices listed (``pipeline xR (layout) [B micro]``).
+  :func:`micro_candidates`), every count it prices listed (``pipeline xR (layout) [B micro]``);
+* ``"segmented"`` -- HAP §5.2: the model cut into ``g`` segments, each its own SPMD program and
+  ratio vector on the whole cluster, all-to-alls re-sharding the rows at the cuts
+  (:mod:`hapc.segmented`; priced for 2 segments cut by flops and by op count, and for 3 where 2
+  beat SPMD, each listed as ``segmented (g segments (flops|ops))``; time
+  ``Σ_k T_k + Σ_cuts (a2a_fwd + a2a_bwd)``). Not applicable on one device group (every segment
+  would get the same ratios).
 
 :func:`choose_plan` prices every kind that applies and picks the least predicted step time.
 
@@ -70,7 +76,7 @@ from .theory.graph import OP
 from .theory.trace import backward_work
 
 #: the plan kinds :func:`choose_plan` knows, in the order it prices (and prefers, on a tie) them
-KINDS = ("spmd", "pipeline")
+KINDS = ("spmd", "pipeline", "segmented")
 #: options of :func:`synthesize_theory` that :func:`hapc.compile` accepts
 SYNTH_OPTIONS = ("segments", "rounds", "solver", "memory", "baseline", "ratios", "time_limit")
 #: options of :func:`hapc.derive` that :func:`hapc.compile` accepts
@@ -238,7 +244,7 @@ class KindEstimate:
     why) or ``"overridden"`` (the caller fixed the kind). ``time``: predicted seconds per step for
     the global batch (``math.inf`` unless priced)."""
 
-    kind: str  # "spmd", "pipeline", or "pipeline x2 (strided)" for replicas of a pipeline
+    kind: str  # "spmd", "pipeline", "pipeline x2 (strided)" for replicas of a pipeline, "segmented (2 segments (ops))"
     status: str
     time: float = math.inf
     reason: str = ""
@@ -251,7 +257,7 @@ class KindEstimate:
 
     @property
     def plan_kind(self) -> str:
-        """The kind of plan (``"spmd"`` or ``"pipeline"``) whatever the replica count."""
+        """The kind of plan (``"spmd"``, ``"pipeline"`` or ``"segmented"``) whatever the replica count or cuts."""
         return self.kind.split()[0]
 
     def to_json(self) -> dict[str, Any]:
@@ -277,7 +283,7 @@ class PlanChoice:
     """What :func:`choose_plan` returns: the chosen kind, its plan (a :class:`~hapc.plan.Plan` or a
     :class:`~hapc.pipeline.PipelinePlan`) and every kind as priced."""
 
-    kind: str  # "spmd" or "pipeline" (a pipeline plan says its replica count: plan.replicas)
+    kind: str  # "spmd", "pipeline" (a pipeline plan says its replica count: plan.replicas) or "segmented"
     plan: Any
     kinds: list[KindEstimate] = field(default_factory=list)
 
@@ -336,7 +342,20 @@ def pipeline_blocker(
     return None
 
 
-def outputs_blocker(graph: Any) -> str | None:
+def segmented_blocker(cluster: Cluster, example_inputs: Any) -> str | None:
+    """Why per-segment ratios (:mod:`hapc.segmented`) cannot help or run here (None: they can)."""
+    if cluster.virtual != "gpu":
+        return "per-segment ratios run one process per device: the cluster describes virtual hosts"
+    if len(cluster.device_types()) < 2:
+        return "one device group: every segment's balanced ratios would be the same"
+    if isinstance(example_inputs, dict):
+        return "the segmented runtime takes positional inputs (the example inputs are keyword arguments)"
+    if _batch_size(example_inputs) is None:
+        return "no input has a batch dimension whose rows segments could re-shard"
+    return None
+
+
+def outputs_blocker(graph: Any, what: str = "a pipeline") -> str | None:
     """Why the plan-kind choice leaves the pipeline out for a model returning more than its loss
     (None: it returns the loss alone): a pipeline's ``train_step`` and forward return the batch loss
     alone, the SPMD module hands the other tensors (logits for a metric) back, so picking a
@@ -344,6 +363,11 @@ def outputs_blocker(graph: Any) -> str | None:
     extra = len(graph.outputs) - 1
     if extra < 1:
         return None
+    if what != "a pipeline":
+        return (
+            f"the model returns {extra} tensor(s) besides its loss, which only the SPMD module hands back "
+            f"({what} return the loss alone)"
+        )
     return (
         f"the model returns {extra} tensor(s) besides its loss, which only the SPMD module hands back (a "
         "pipeline returns the loss alone); pipeline=True (hapc synth --kind pipeline) trains it pipelined "
@@ -511,6 +535,26 @@ def choose_plan(
             plans[kind] = plan
             out.append(KindEstimate(kind, "feasible", plan.time, summary=summary, seconds=time.perf_counter() - t0))
             continue
+        if kind == "segmented":
+            spmd_only = [k for k in ("baseline", "ratios") if synth_options.get(k) is not None]
+            blocker = (
+                pipeline_blocked
+                or (f"SPMD-only option(s) given: {', '.join(spmd_only)}" if spmd_only else None)
+                or segmented_blocker(cluster, example_inputs)
+            )
+            if blocker is None:
+                if theory is None:
+                    theory = derive(trace(model, example_inputs, **(trace_options or {})), **theory_options)
+                blocker = outputs_blocker(theory.graph, "per-segment ratios")
+            if blocker is not None:
+                out.append(KindEstimate(kind, "not applicable", reason=blocker))
+                continue
+            spmd_time = plans["spmd"].time if "spmd" in plans else math.inf
+            for est, splan in _price_segmented(theory, cluster, theory_options, synth_options, spmd_time):
+                out.append(est)
+                if splan is not None:
+                    plans[est.kind] = splan
+            continue
         # the pipeline
         spmd_only = [k for k in ("baseline", "ratios") if synth_options.get(k) is not None]
         blocker = (
@@ -652,6 +696,43 @@ def _price_pipelines(
     return out
 
 
+def _price_segmented(
+    theory: Any,
+    cluster: Cluster,
+    theory_options: dict[str, Any],
+    synth_options: dict[str, Any],
+    spmd_time: float = math.inf,
+) -> list[tuple[KindEstimate, Any]]:
+    """Per-segment ratios (HAP §5.2) at the candidate cut sets (:func:`hapc.segmented.candidate_cuts`):
+    one ``(estimate, plan or None)`` each, as the pipeline's micro-batch counts only those priced. Two
+    segments are always priced; three only where a two-segment plan beat ``spmd_time`` (the SPMD
+    plan's, ``inf`` when not priced): each segment's synthesis costs about a whole-model one's share,
+    and each further cut adds two all-to-alls."""
+    from .segmented import candidate_cuts, plan_segmented
+
+    out: list[tuple[KindEstimate, Any]] = []
+    cands = candidate_cuts(theory.graph)
+    if not cands:
+        why = "no cut leaves every segment training work without sharing a weight across it"
+        return [(KindEstimate("segmented", "infeasible", reason=why), None)]
+    recorded = {**theory_options, "variants": list(theory_options["variants"])}
+    best = spmd_time
+    for label, cuts in cands:
+        if len(cuts) > 1 and best >= spmd_time:  # more segments only where two already paid (not listed)
+            continue
+        t0 = time.perf_counter()
+        name = f"segmented ({label})"
+        try:
+            splan = plan_segmented(theory.graph, cluster, cuts, theory_options=recorded, synth_options=synth_options)
+        except HapcError as exc:  # InfeasibleError: a segment's program does not fit
+            out.append((KindEstimate(name, "infeasible", reason=str(exc), seconds=time.perf_counter() - t0), None))
+            continue
+        est = KindEstimate(name, "feasible", splan.time, summary=splan.summary(), seconds=time.perf_counter() - t0)
+        out.append((est, splan))
+        best = min(best, splan.time)
+    return out
+
+
 def replica_counts(cluster: Cluster, num_micro: int, replicas: Sequence[int] | None = None) -> list[int]:
     """Data-parallel replica counts ``R > 1`` of a pipeline worth pricing: ``R`` divides
     ``num_micro`` (each replica an equal share of the micro-batches) and some layout tiles the
@@ -677,5 +758,6 @@ __all__ = [
     "pipeline_blocker",
     "replica_counts",
     "search_micro",
+    "segmented_blocker",
     "synthesize_theory",
 ]
