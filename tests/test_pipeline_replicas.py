@@ -180,7 +180,9 @@ def test_the_planner_prices_every_replica_count():
     model, inputs = _model("gpt")
     choice = choose_plan(model, hosts(), inputs, num_micro=4)
     labels = [k.kind for k in choice.kinds]
-    assert labels == ["spmd", "pipeline", "pipeline x2 (blocked)", "pipeline x2 (strided)", "pipeline x4 (blocked)"]
+    # per-segment ratios last: not applicable on one device group
+    pipes = ["pipeline", "pipeline x2 (blocked)", "pipeline x2 (strided)", "pipeline x4 (blocked)"]
+    assert labels == ["spmd", *pipes, "segmented"]
     priced = [k for k in choice.kinds if math.isfinite(k.time)]
     best = min(priced, key=lambda k: k.time)
     assert best.status == "chosen" and choice.time == best.time
@@ -188,7 +190,7 @@ def test_the_planner_prices_every_replica_count():
     assert best.kind == "pipeline x2 (strided)" and choice.kind == "pipeline" and choice.plan.replicas == 2
     assert "pipeline x2 (strided)" in "\n".join(str(x) for x in choice.plan.kinds)
     none = choose_plan(model, hosts(), inputs, num_micro=4, replicas=())
-    assert [k.kind for k in none.kinds] == ["spmd", "pipeline"]
+    assert [k.kind for k in none.kinds] == ["spmd", "pipeline", "segmented"]
 
 
 # -- data-parallel replicas: training equals one device -----------------------------------------------

@@ -96,7 +96,7 @@ def _job(rank: int, world: int, name: str, plan: SegmentedPlan, opt: str, ddp: b
             loss.backward()
         else:
             loss = module.train_step(*inputs)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if grads is None:
             grads = module.full_gradients()
             norm = float(module.clip_grad_norm_(1e9))  # the whole model's norm (nothing clipped)
