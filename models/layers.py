@@ -7,7 +7,9 @@ semantics, GShard capacity and priority) so the theory can shard experts unevenl
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -99,10 +101,32 @@ class Block(nn.Module):
         return x + self.ffn(self.ln2(x))
 
 
+#: ``torch.nn.init`` fills skipped while a model is built on the meta device (see :func:`_no_fill`)
+FILLS = ("normal_", "trunc_normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+         "xavier_normal_", "zeros_", "ones_", "constant_")  # fmt: skip
+
+
+@contextlib.contextmanager
+def _no_fill() -> Iterator[None]:
+    """``torch.nn.init``'s fills as no-ops: a meta tensor holds no values, so filling one only costs.
+    It costs a lot once: the meta kernel of ``normal_`` (an embedding's init) is a Python reference
+    whose first call imports ``torch._dynamo`` and ``torch._inductor`` (1.5 s of building GPT-39B
+    for ``benchmarks/planner_speed.py`` and ``hapc synth gpt-39b``; 0.4 s after this)."""
+    saved = {name: getattr(nn.init, name) for name in FILLS if hasattr(nn.init, name)}
+    try:
+        for name in saved:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
 def build(factory, device: str | torch.device | None, dtype: torch.dtype, seed: int) -> nn.Module:
-    """Construct a model, on the meta device when asked (no memory), else seeded on the CPU."""
+    """Construct a model, on the meta device when asked (no memory, no initial values), else seeded
+    on the CPU."""
     if device is not None and torch.device(device).type == "meta":
-        with torch.device("meta"):
+        with torch.device("meta"), _no_fill():
             return factory().to(dtype)
     torch.manual_seed(seed)
     return factory().to(dtype=dtype, device=device)
