@@ -424,6 +424,14 @@ class SynthSpace:
         """Structure of a segment under its canonical labels: equal signatures, equal searches.
         (A hashable value; a segment's triples, costs, and what it must leave behind.)"""
         th = self.theory
+        # spaces of one theory for different device counts (a pipeline's sub-meshes) share most
+        # segments: the signature is a function of what is in the key, computed once per theory
+        memo = th.__dict__.setdefault("_segment_signatures", {})
+        key = (tuple(s.anchors), tuple(s.triples), frozenset(s.local_needed.items()), s.local_tokens)
+        hit = memo.get(key)
+        if hit is not None:
+            sig, s.labels, s.refs_of = hit
+            return sig
         refs = {DONE.ref}
         for k in s.triples:
             t = th.triples[k]
@@ -446,7 +454,9 @@ class SynthSpace:
             )
         needed = frozenset((lab[x], ls) for x, ls in s.local_needed.items())
         tokens = frozenset((a, lab[r]) for a, r in s.local_tokens)
-        return (len(s.anchors), tuple(parts), needed, tokens)
+        sig = (len(s.anchors), tuple(parts), needed, tokens)
+        memo[key] = (sig, s.labels, s.refs_of)
+        return sig
 
 
 def _labels(graph, anchors: Sequence[int], refs: set[int]) -> dict[int, tuple]:
@@ -517,7 +527,14 @@ class _Synth:
         self.beam = 0  # > 0: keep only that many cheapest states per table (the first pass)
         self.dead_end = -1  # the last segment some states could not get past
         self.deadline: float | None = None  # time.monotonic() at which every search gives up (OutOfTime)
-        lbs = [self.segment_bound(seg) for seg in space.segments]
+        # segments with equal signatures have equal triples and costs (what lets their searches be
+        # shared), so equal bounds, bit for bit: each is computed once, on its first segment
+        by_signature: dict[int, float] = {}
+        lbs = []
+        for seg in space.segments:
+            if seg.signature not in by_signature:
+                by_signature[seg.signature] = self.segment_bound(seg)
+            lbs.append(by_signature[seg.signature])
         self.suffix = [0.0] * (len(lbs) + 1)
         for i in range(len(lbs) - 1, -1, -1):
             self.suffix[i] = self.suffix[i + 1] + lbs[i]
