@@ -14,6 +14,8 @@ from .plan import Plan
 from .planner import KINDS, SYNTH_OPTIONS, THEORY_OPTIONS, choose_plan, synthesize_theory
 from .synth.baselines import needs_param_comm
 from .synth.search import Progress
+from .theory.program_key import follows_mode as _follows_mode
+from .theory.program_key import program_key as _mode_key
 
 __all__ = ["KINDS", "SYNTH_OPTIONS", "THEORY_OPTIONS", "choose_plan", "compile", "synthesize", "synthesize_theory"]
 
@@ -205,7 +207,8 @@ def compile(
     """
     import torch.distributed as dist
 
-    from .codegen.module import CompiledModule, constant_inputs
+    from .codegen.constants import constant_inputs
+    from .codegen.module import CompiledModule
     from .theory import derive, trace
 
     unknown = sorted(set(options) - set(SYNTH_OPTIONS) - set(THEORY_OPTIONS))
@@ -279,7 +282,7 @@ def compile(
         model, theory, plan, group=group, device=device, seed=seed, init=init, loss_sync=loss_sync, outputs=outputs
     )
     module._mode_branch = mode_branch
-    module._constant_inputs = constant_inputs(model, example_inputs, graph)
+    module._constant_inputs = constant_inputs(model, example_inputs, graph, leaf_modules=tuple(leaf_modules), loss=loss)
     module._trace_options = {"leaf_modules": tuple(leaf_modules)}  # an odd batch is traced again likewise
     guard(model, module)  # the model raises while stale: module.unwrap() writes the trained weights back
     return module
@@ -332,40 +335,6 @@ def _verify_user_rules(theory: Any, graph: Any, example_inputs: Any) -> None:
             f"the sharding rule registered for {op!r} is unsound: {what}. Fix its annotation or rule function "
             "(hapc.verify(hapc.derive(hapc.trace(model, inputs)), inputs, [[0.5, 0.3, 0.2]]) reproduces it)"
         )
-
-
-def _mode_key(graph: Any) -> list[tuple]:
-    """What a program computes, up to dropout and batch norm (whose modes the runtime handles):
-    dropout and stochastic depth are transparent (their users read their input), SDPA's
-    ``dropout_p`` is left out."""
-    from .theory.graph import OP, map_refs
-
-    ident: dict[int, Any] = {}
-    key = []
-    for n in graph:
-        if n.kind != OP:  # a traced constant's attribute name differs between two traces
-            const = str(n.target or "").startswith("_tensor_constant")
-            ident[n.index] = ("constant", n.meta) if const else (n.target or n.name)
-            continue
-        if _follows_mode(n):
-            ident[n.index] = ident[n.operands[0]]
-            continue
-        ident[n.index] = len(key)
-        if n.op == "batch_norm":
-            key.append(("batch_norm", n.meta))
-            continue
-        args, kwargs = n.args, n.kwargs
-        if n.op == "scaled_dot_product_attention":  # dropout_p follows the mode at run time (hapc.ops)
-            args, kwargs = args[:3], {k: v for k, v in kwargs.items() if k != "dropout_p"}
-        key.append((n.op, n.meta, repr(map_refs((args, kwargs), lambda r: ("ref", ident[r.index])))))
-    return key
-
-
-def _follows_mode(n: Any) -> bool:
-    """A random op whose draw the runtime turns off in eval mode (``RandomStream.drops``)."""
-    from .theory.rules.random import SAMPLE_DROPS
-
-    return ("dropout" in n.op or n.op in SAMPLE_DROPS) and bool(n.operands)
 
 
 def _mode_branch(model: torch.nn.Module, example_inputs: Any, graph: Any, **trace_opts: Any) -> str | None:

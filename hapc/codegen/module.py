@@ -55,7 +55,7 @@ from ..theory.precision import autocast_dtype
 from ..theory.props import Layout
 from ..theory.rules.random import sample_drop_p
 from ..theory.triples import Theory
-from .constants import ConstantInputs, constant_inputs  # noqa: F401 (hapc.api imported it from here)
+from .constants import ConstantInputs
 from .constants import check_constant_inputs as _check_constant_inputs
 from .grad_norm import install as install_grad_norms
 from .odd_batch import OddBatches, is_odd
