@@ -41,7 +41,7 @@ returns the batch loss, and exposes what the other kinds do: ``train_step``, ``m
 ``loss.backward()``, ``parameters()`` / ``named_parameters()`` (the model's names),
 ``clip_grad_norm_`` (each segment's sharded gradients' norms are whole), ``full_gradients``,
 ``full_state_dict`` / ``load_full_state_dict`` (single-device state, optimizer state by name),
-``state_dict`` / ``load_state_dict``, ``train()`` / ``eval()``, ``unwrap()``. Dropout draws are
+``state_dict`` / ``load_state_dict``, ``train()`` / ``eval()``, ``no_sync()``, ``unwrap()``. Dropout draws are
 keyed by op name and step (:class:`hapc.ops.RandomStream`), the same in every segment as in one
 program. Refused (HapcError naming the fix): a parameter read by two segments (tied weights across
 a cut), inputs other than the traced global batch (a rank's share, another batch size), keyword
@@ -53,8 +53,9 @@ versioned JSON (``"format": "hapc-segmented-plan"``; never pickle).
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .cluster import Cluster
+from .collectives import flush_losses
 from .errors import HapcError, PlanError
 from .plan import Plan
 
@@ -517,6 +519,7 @@ class SegmentedModule(nn.Module):
                     "ratios): pass every rank the whole batch, or compile without per-segment ratios for a rank's "
                     "share or another batch size"
                 )
+        flush_losses()  # another hapc module's deferred loss all-reduce goes first, on every rank
         self._check_same_batch(bound)
         outs: list[torch.Tensor] = []
         leaves: list[torch.Tensor] = []
@@ -559,6 +562,16 @@ class SegmentedModule(nn.Module):
             return loss
         anchor = torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
         return _SegmentedLoss.apply(anchor, loss, self, (outs, leaves))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate this rank's Partial gradients without summing them
+        across ranks (``DistributedDataParallel.no_sync``): every segment's
+        :meth:`~hapc.codegen.module.CompiledModule.no_sync`; the next backward outside sums them all."""
+        with contextlib.ExitStack() as stack:
+            for m in self.segments:
+                stack.enter_context(m.no_sync())
+            yield
 
     def _check_same_batch(self, bound: dict[str, Any]) -> None:
         """Every rank must be given the same global batch (each segment reads its own copy): one

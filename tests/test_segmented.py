@@ -422,3 +422,24 @@ def test_compile_runs_the_planner_s_per_segment_ratios():
         assert min(res["kinds"], key=res["kinds"].get).startswith("segmented")
         assert_close(res["losses"], losses, F64, f"rank {rank} losses")
         assert_close(res["state"], dict(model.state_dict()), F64, f"rank {rank} state")
+
+
+def _accumulate(rank: int, world: int, plan: SegmentedPlan) -> dict:
+    torch.set_num_threads(1)
+    model, inputs = _make("residual")
+    module = hapc.compile(model, cluster_of([1e10, 5e9]), inputs, plan=plan)
+    with module.no_sync():  # gradient accumulation as with DDP: the second backward sums both
+        module(*inputs).backward()
+    (0.5 * module(*inputs)).backward()
+    return module.full_gradients()
+
+
+def test_gradient_accumulation_under_no_sync():
+    plan = _plan("residual", 2, ["linear_2"], [[0.7, 0.3], [0.2, 0.8]])
+    got = run_distributed(_accumulate, 2, plan, timeout=120)
+    model, inputs = _make("residual")
+    model(*inputs).backward()
+    (0.5 * model(*inputs)).backward()
+    want = {k: q.grad for k, q in model.named_parameters()}
+    for rank, grads in enumerate(got):
+        assert_close(grads, want, F64, f"rank {rank} accumulated grads")
