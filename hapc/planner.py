@@ -239,7 +239,8 @@ def _check_ratios(ratios: Sequence[float], model: CostModel) -> tuple[float, ...
 class KindEstimate:
     """One plan kind as :func:`choose_plan` priced it.
 
-    ``status``: ``"chosen"``, ``"feasible"`` (priced, not the least), ``"infeasible"`` (it cannot run
+    ``status``: ``"chosen"``, ``"feasible"`` (priced, not the least), ``"pruned"`` (a pipeline whose
+    step time is bounded below by one already priced: not planned), ``"infeasible"`` (it cannot run
     on this cluster: memory, too few layers), ``"not applicable"`` (not considered: ``reason`` says
     why) or ``"overridden"`` (the caller fixed the kind). ``time``: predicted seconds per step for
     the global batch (``math.inf`` unless priced)."""
@@ -469,6 +470,7 @@ def choose_plan(
     progress: Progress | None = None,
     replicas: Sequence[int] | None = None,
     recompute: str = "auto",
+    prune: bool = True,
 ) -> PlanChoice:
     """Price every plan kind in ``kinds`` for ``model`` on ``cluster`` and pick the fastest.
 
@@ -487,7 +489,10 @@ def choose_plan(
     (default: every ``R > 1`` dividing ``num_micro`` for which a layout tiles the cluster; ``()``:
     none); each (count, layout) is one more entry ``pipeline xR (layout)``. ``recompute``: the
     pipeline's activation recomputation (:func:`hapc.pipeline.plan_pipeline`; ``"auto"``: chosen per
-    stage where memory binds, ``"never"``, ``"always"``). A ``time_limit`` in
+    stage where memory binds, ``"never"``, ``"always"``). ``prune`` (default on, exact): a pipeline
+    candidate whose Eq. 12 lower bound is no better than a pipeline already priced skips its DP and
+    is listed ``"pruned"`` (:func:`_price_pipelines`); the choice, every time priced and the counts
+    searched are those of ``prune=False``. A ``time_limit`` in
     ``synth_options`` bounds the SPMD search and, with a budget of its own, every search of the
     pipeline's pricing (:func:`~hapc.synth.synthesizer.searches_until`): planning takes about twice
     it at most, plus tracing, deriving and the pipelines' non-search work.
@@ -583,9 +588,12 @@ def choose_plan(
         scope = searches_until(None if limit is None else time.monotonic() + limit)
 
         def price(B: int, batch: int = batch, searched: bool = searched) -> float:
+            # the least pipeline time priced so far: a candidate whose Eq. 12 lower bound is not below
+            # it skips its DP (status "pruned"; see _price_pipelines for why the search is unchanged)
+            above = min((k.time for k in out if k.plan_kind == "pipeline" and k.status == "feasible"), default=math.inf)
             entries = _price_pipelines(
                 model, cluster, example_inputs, batch, B, theory_options, replicas, labelled=searched,
-                t0=time.perf_counter(), recompute=recompute,
+                t0=time.perf_counter(), recompute=recompute, above=above if prune else None,
             )  # fmt: skip
             for est, pplan in entries:
                 out.append(est)
@@ -628,11 +636,20 @@ def _price_pipelines(
     labelled: bool,
     t0: float,
     recompute: str = "auto",
+    above: float | None = None,
 ) -> list[tuple[KindEstimate, Any]]:
     """The pipeline, and its data-parallel replicas, priced at ``num_micro`` micro-batches: one
     ``(estimate, plan or None)`` per replica count and layout. ``labelled``: say the count in the
-    labels (the planner searched it)."""
-    from .pipeline.planner import plan_pipeline
+    labels (the planner searched it).
+
+    ``above`` (exact pruning; None: off): the least pipeline time priced before. Each candidate's DP runs only
+    where its Eq. 12 lower bound (:func:`hapc.pipeline.dp.step_lower_bound`) is below the least of
+    ``above`` and the times priced here so far; a candidate that is not is listed ``"pruned"``, its
+    time unknown but no less than that least. Neither the choice nor :func:`search_micro`'s path
+    changes: the least over this count's candidates comes out exact wherever it is below ``above``
+    (a pruned one is no better than one priced before it), and at or above ``above`` otherwise,
+    and the search moves to a count only if that count beats the least so far (which ``above`` is)."""
+    from .pipeline.planner import PipelinePruned, plan_pipeline
     from .pipeline.replicas import layouts
     from .pipeline.runtime import micro_batches
     from .theory import derive, trace
@@ -666,7 +683,13 @@ def _price_pipelines(
                 layout=layout,
                 cache=cache,
                 recompute=recompute,
+                above=None if above is None else min([above] + [e.time for e, p in out if p is not None]),
             )
+        except PipelinePruned as exc:
+            seconds = time.perf_counter() - (t0 if R == 1 else t1)
+            est = KindEstimate(label, "pruned", reason=str(exc), seconds=seconds, replicas=R, num_micro=num_micro)
+            out.append((est, None))
+            continue
         except HapcError as exc:  # PlanningError: no pipeline fits (memory, layers, links)
             seconds = time.perf_counter() - (t0 if R == 1 else t1)
             why = str(exc) if R == 1 else f"one replica ({cluster.num_devices // R} devices): {exc}"

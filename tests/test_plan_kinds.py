@@ -247,7 +247,8 @@ def test_compile_follows_the_planner_and_the_overrides():
     for name, want in (("slow", "pipeline"), ("fast", "spmd")):
         module, kinds = got[name, None]
         assert module == ("PipelineModule" if want == "pipeline" else "CompiledModule"), (name, kinds)
-        times = {k["kind"]: k["time"] for k in kinds}
+        # every entry priced but those pruned (an Eq. 12 lower bound no better than a pipeline priced)
+        times = {k["kind"]: k["time"] for k in kinds if k["status"] != "pruned"}
         # the plan kind of the least entry ("pipeline [2 micro]": the count is searched by default)
         assert min(times, key=times.get).split()[0] == want and all(t is not None for t in times.values())
         assert got[name, True][0] == "PipelineModule"

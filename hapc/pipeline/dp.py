@@ -410,10 +410,7 @@ class PipelineDP:
     def lower_bound(self) -> float:
         """No plan has a smaller t_max: every layer runs somewhere (on its fastest sub-mesh), and
         each group boundary is crossed by a link after some layer (``c <= t_max``)."""
-        lb = float(self.per_mb.min(axis=0).max()) if self.L else 0.0
-        for bw, lat in self.links.between:
-            lb = max(lb, lat + float(self.table.out_bytes[: self.L - 1].min(initial=np.inf)) / bw)
-        return lb
+        return _t_max_floor(self.per_mb, self.table, self.links)
 
     def own_t_max(self, stages: list[StageChoice], cands: np.ndarray, tau: float) -> float:
         """The smallest candidate ``t <= tau`` at which a solution found at ``tau`` stays feasible:
@@ -477,3 +474,45 @@ class PipelineDP:
             k = min(nxt, int(np.searchsorted(cands, best[0] / self.B, side="right")) - 1)
         value, tau, stages = best
         return Solution(stages, tau, value, self.warmups(stages, tau), self.runs, len(cands))
+
+
+def _t_max_floor(per_mb: np.ndarray, table: CostTable, links: Links) -> float:
+    """:meth:`PipelineDP.lower_bound` for per-layer times ``per_mb`` (options x layers)."""
+    L = table.num_layers
+    lb = float(per_mb.min(axis=0).max()) if L else 0.0
+    for bw, lat in links.between:
+        lb = max(lb, lat + float(table.out_bytes[: L - 1].min(initial=np.inf)) / bw)
+    return lb
+
+
+#: the relative margin :func:`step_lower_bound` gives away to rounding (the DP adds prefix-sum
+#: differences, the bound plain sums: the two may differ in the last bits)
+ROUNDING = 1e-9
+
+
+def step_lower_bound(table: CostTable, links: Links, num_micro: int) -> float:
+    """A lower bound on Eq. 12 over every plan :class:`PipelineDP` can return for ``table``, in
+    O(options x layers), without the DP's index or runs:
+
+        T = Σ_s (t_s + 2 c_s) + (B - 1) t_max  >=  Σ_l min_o t_{o,l} + 2 Σ_k c_k + (B - 1) t_floor
+
+    * ``Σ_s t_s``: every layer runs in one stage, on some sub-mesh kind ``o``, at no less than its
+      least per-micro-batch time over the kinds ``min_o (fwd + bwd + sync / B)`` (a recomputing
+      stage only adds its forward);
+    * ``2 Σ c_s``: every device is used, so each boundary ``k`` between consecutive groups is crossed
+      by one stage's transfer, at least the link's latency plus the smallest boundary's bytes over
+      its bandwidth (the other ``c_s >= 0``);
+    * ``t_max >= t_floor`` (:meth:`PipelineDP.lower_bound`: the slowest layer at its least, and every
+      group boundary's least transfer).
+
+    The pipeline planner skips the DP of a candidate whose bound is no better than a plan already
+    priced (:func:`hapc.pipeline.plan_pipeline`'s ``above``); the margin :data:`ROUNDING` keeps
+    the bound below the DP's own sums."""
+    if table.num_layers == 0:
+        return 0.0
+    per_mb = table.fwd + table.bwd + table.sync / num_micro  # as PipelineDP
+    crossings = 0.0
+    for bw, lat in links.between:
+        crossings += lat + float(table.out_bytes[: table.num_layers - 1].min(initial=np.inf)) / bw
+    floor = _t_max_floor(per_mb, table, links)
+    return (float(per_mb.min(axis=0).sum()) + 2 * crossings + (num_micro - 1) * floor) * (1 - ROUNDING)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -45,7 +46,7 @@ import numpy as np
 
 from ..cluster import Cluster, Link
 from ..errors import HapcError
-from .dp import RECOMPUTE, CostTable, GroupSpec, Links, Option, PipelineDP
+from .dp import RECOMPUTE, CostTable, GroupSpec, Links, Option, PipelineDP, step_lower_bound
 from .layers import Layer, build_layers
 from .schedule import HARP_EPSILON
 from .stagecost import StageCoster, submesh_sizes
@@ -57,6 +58,19 @@ VERSION = 3
 
 class PlanningError(HapcError):
     """No pipeline plan satisfies the cluster's memory and links."""
+
+
+class PipelinePruned(HapcError):
+    """:func:`plan_pipeline` with ``above``: no plan of this candidate can be faster than ``above``
+    (its Eq. 12 lower bound, :func:`hapc.pipeline.dp.step_lower_bound`, is not below it), so its DP
+    was not run."""
+
+    def __init__(self, bound: float, above: float):
+        super().__init__(
+            f"not priced: its step time is at least {bound * 1e3:.4g} ms (Eq. 12's lower bound over its stage "
+            f"costs), no better than the {above * 1e3:.4g} ms already priced"
+        )
+        self.bound, self.above = bound, above
 
 
 @dataclass
@@ -389,6 +403,7 @@ def plan_pipeline(
     sizes: Sequence[int] | None = None,
     baseline: str | None = None,
     recompute: str = "auto",
+    above: float | None = None,
 ) -> PipelinePlan:
     """Plan a HARP pipeline of ``model`` over ``cluster`` (``example_inputs``: one micro-batch).
 
@@ -400,7 +415,10 @@ def plan_pipeline(
     program restricted to that baseline's triples (:class:`StageCoster`). The Megatron-3D baseline
     is ``sizes=[t], baseline="tp"`` with ``R`` replicas: TP of degree ``t`` inside a host, stages
     across hosts, ``R``-way data parallelism. ``recompute``: ``"auto"`` (the DP chooses per stage
-    where memory binds), ``"never"`` or ``"always"`` (every stage, where its layers allow it)."""
+    where memory binds), ``"never"`` or ``"always"`` (every stage, where its layers allow it).
+    ``above``: a step time already achieved (seconds, the global batch's); where the Eq. 12 lower
+    bound of this candidate's stage costs (:func:`~hapc.pipeline.dp.step_lower_bound`) is not below
+    it, :class:`PipelinePruned` is raised before the DP runs (exact: no plan of it beats ``above``)."""
     from ..theory import derive, trace
     from .replicas import replica_cluster, sync_seconds_per_byte
 
@@ -429,6 +447,11 @@ def plan_pipeline(
             extra[o] = table.mem_param[o] / memory_factor * per_byte
         table.sync = table.sync + extra
     t3 = time.perf_counter()
+    links = cluster_links(cluster, names)
+    if above is not None and above < math.inf:
+        bound = step_lower_bound(table, links, num_micro)
+        if bound >= above:
+            raise PipelinePruned(bound, above)
     by_name = {g.name: g for g in cluster.groups}
     groups = [
         GroupSpec(n, by_name[n].devices, min(by_name[n].devices_per_host, by_name[n].devices), by_name[n].memory,
@@ -438,7 +461,7 @@ def plan_pipeline(
     plan = solve(
         table,
         groups,
-        cluster_links(cluster, names),
+        links,
         num_micro,
         epsilon=epsilon,
         layers=layers,
