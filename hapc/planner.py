@@ -98,8 +98,11 @@ def synthesize_theory(
     timings: dict[str, float] | None = None,
     options: dict[str, Any] | None = None,
     time_limit: float | None = None,
+    row_sharded: Sequence[int] = (),
 ) -> Plan:
-    """:func:`hapc.synthesize` for an already derived theory (benchmarks reuse one theory)."""
+    """:func:`hapc.synthesize` for an already derived theory (benchmarks reuse one theory).
+    ``row_sharded``: inputs the program must source sharded along dim 0 (a segment's incoming
+    activations arrive so, :mod:`hapc.segmented`; making them whole is then the program's to price)."""
     if baseline is not None and baseline not in BASELINES:
         raise HapcError(f"unknown baseline {baseline!r}; one of {', '.join(BASELINES)}")
     if time_limit is not None and not time_limit > 0:
@@ -115,6 +118,13 @@ def synthesize_theory(
         initial = model.proportional_ratios() if baseline == "dp-cp" else model.even_ratios()
     if ratios is not None:
         initial = _check_ratios(ratios, model)
+    if row_sharded:
+        rows = set(row_sharded)
+
+        def by_rows(i: Any) -> bool:
+            return type(i).__name__ != "Source" or i.ref not in rows or (i.layout.is_sharded and i.layout.dim == 0)
+
+        allowed = {k for k in allowed if all(by_rows(i) for i in theory.triples[k].instrs)}
     space = SynthSpace(theory, model.m, segments, allowed)
     t1 = time.perf_counter()
     best = balance(

@@ -349,11 +349,19 @@ def plan_segmented(
     ratios: Sequence[Sequence[float] | None] | None = None,
     theory_options: dict[str, Any] | None = None,
     synth_options: dict[str, Any] | None = None,
+    rows_arrive_sharded: bool = True,
 ) -> SegmentedPlan:
     """Each segment of ``graph`` (the model's reference graph of the global batch) cut at ``cuts``
     synthesized and balanced on all of ``cluster`` by itself (HAP §5.2: Eq. 3 per segment), and the
     boundaries priced. ``ratios``: fixed ratios per segment (one vector per device group, or None:
-    balanced) -- tests force segments' ratios to differ with it."""
+    balanced) -- tests force segments' ratios to differ with it. ``rows_arrive_sharded`` (default):
+    a segment's program must source its incoming packed rows sharded by rows -- as the all-to-all
+    delivers them at its own ratios -- so a program that wants them whole pays the all-gather in its
+    own synthesis instead of taking them free and leaving the boundary to move every row to every
+    rank (``False``: any layout, the boundary priced after; where no program takes them by rows,
+    that is the fallback)."""
+    from .errors import InfeasibleError
+    from .pipeline.stages import ACT_PREFIX
     from .planner import synthesize_theory
     from .synth.cost import CostModel
     from .theory import derive
@@ -367,10 +375,19 @@ def plan_segmented(
     sopts = {k: v for k, v in (synth_options or {}).items() if k != "ratios"}
     theories = [derive(s.graph, **topts) for s in stages]
     recorded = {**topts, **({"variants": list(topts["variants"])} if "variants" in topts else {})}
-    plans = [
-        synthesize_theory(t, cluster, options=recorded, **sopts, ratios=None if ratios is None else ratios[k])
-        for k, t in enumerate(theories)
-    ]
+    plans = []
+    for k, (s, t) in enumerate(zip(stages, theories)):
+        fixed = None if ratios is None else ratios[k]
+        acts = [n.index for n in t.graph.inputs if n.name.startswith(ACT_PREFIX)] if k and s.by_rows else []
+        plan = None
+        if acts and rows_arrive_sharded:
+            try:  # the rows arrive at B_k's shares: sourcing them whole is an all-gather the program prices
+                plan = synthesize_theory(t, cluster, options=recorded, **sopts, ratios=fixed, row_sharded=acts)
+            except InfeasibleError:
+                plan = None  # no program takes them by rows (too few rows for the devices...): any layout
+        if plan is None:
+            plan = synthesize_theory(t, cluster, options=recorded, **sopts, ratios=fixed)
+        plans.append(plan)
     if sopts.get("memory", True):
         _check_memory(plans)
     model = CostModel(cluster, precision=topts.get("precision"))

@@ -50,7 +50,8 @@ class Residual(nn.Module):
 
 
 class Whole(Residual):
-    """The next segment starts with elementwise ops its program runs replicated: it takes every row."""
+    """The next segment starts with elementwise ops its program runs replicated: planned with
+    ``rows_arrive_sharded=False`` it takes every row (the boundary then sends each rank all rows)."""
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         a = torch.relu(self.l1(x))
@@ -78,7 +79,8 @@ def _plan(name: str, world: int, cut_at: list[str], ratios: list[list[float]], p
     model, inputs = _make(name, p=p)
     graph = trace(model, inputs)
     cluster = cluster_of([1e10, 5e9, 3e9][:world])
-    plan = plan_segmented(graph, cluster, _cuts(graph, cut_at), ratios=ratios)
+    # "whole": the next program may source the rows in any layout (it takes them whole)
+    plan = plan_segmented(graph, cluster, _cuts(graph, cut_at), ratios=ratios, rows_arrive_sharded=name != "whole")
     return SegmentedPlan.from_json(plan.to_json())  # as it travels and is saved: JSON
 
 
@@ -443,3 +445,16 @@ def test_gradient_accumulation_under_no_sync():
     want = {k: q.grad for k, q in model.named_parameters()}
     for rank, grads in enumerate(got):
         assert_close(grads, want, F64, f"rank {rank} accumulated grads")
+
+
+def test_a_segment_takes_its_rows_sharded_by_default():
+    """By default a segment's program sources its incoming rows sharded (as the all-to-all delivers
+    them); one that wants them whole all-gathers them itself, priced in its own synthesis."""
+    model, inputs = _make("whole")
+    graph = trace(model, inputs)
+    cluster, cuts = cluster_of([1e10, 5e9, 3e9]), _cuts(graph, ["tanh_1"])
+    ratios = [[0.5, 0.3, 0.2], [0.2, 0.2, 0.6]]
+    free = plan_segmented(graph, cluster, cuts, ratios=ratios, rows_arrive_sharded=False)
+    rows = plan_segmented(graph, cluster, cuts, ratios=ratios)
+    assert free.boundaries[0]["need"] is None and rows.boundaries[0]["need"] is not None
+    assert rows.boundaries[0]["forward"] < free.boundaries[0]["forward"]
