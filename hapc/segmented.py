@@ -13,7 +13,9 @@ all share every device.
 **The boundary** (:class:`Boundary`). Segment ``k``'s program leaves its packed output either
 batch-sharded -- rank ``r`` holds rows ``[H_r, H_{r+1})`` at ``B_k``'s row sizes -- or replicated
 (every rank all rows). Segment ``k + 1``'s program takes its incoming activations either
-batch-sharded at ``B_{k+1}``'s row sizes, rank ``q`` rows ``[N_q, N_{q+1})``, or whole. Forward:
+batch-sharded at ``B_{k+1}``'s row sizes, rank ``q`` rows ``[N_q, N_{q+1})`` -- what its synthesis
+is held to by default (``row_sharded``: a program that wants them whole all-gathers them itself,
+priced in its search; else the search would take them whole for free) -- or whole. Forward:
 rank ``r`` sends rank ``q`` the rows ``[H_r, H_{r+1}) ∩ [N_q, N_{q+1})`` in **one** uneven
 ``all_to_all`` (a replicated output needs none: each rank slices its rows). Backward, the transpose
 (DESIGN §3): rank ``q`` returns the gradient of the same overlaps, and rank ``r`` *sums* what it
