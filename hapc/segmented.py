@@ -582,6 +582,20 @@ class SegmentedModule(nn.Module):
         anchor = torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
         return _SegmentedLoss.apply(anchor, loss, self, (outs, leaves))
 
+    def _agree_on_scale(self, scale: float) -> None:
+        """The gradient seeding the loss must be the same on every rank (each seeds the last segment
+        with its own): one MAX all-reduce of ``(scale, -scale)``."""
+        if self.world == 1:
+            return
+        agree = torch.tensor([scale, -scale], dtype=torch.float64, device=self.device)
+        dist.all_reduce(agree, op=dist.ReduceOp.MAX, group=self.group)
+        if float(agree[0]) != -float(agree[1]):
+            raise HapcError(
+                f"the gradient seeding the segmented module's loss differs between the ranks (from "
+                f"{-float(agree[1]):g} to {float(agree[0]):g}): every rank holds the same batch loss and must "
+                "backpropagate it alike, e.g. loss.backward() or (loss / accumulation_steps).backward() on every rank"
+            )
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate this rank's Partial gradients without summing them
@@ -694,6 +708,7 @@ class _SegmentedLoss(torch.autograd.Function):
             raise HapcError("this loss of a segmented module was backpropagated already: one backward per forward")
         outs, leaves = ctx.state
         ctx.state = None
+        ctx.sm._agree_on_scale(float(grad))
         with torch.enable_grad():
             ctx.sm._backwards(outs, leaves, float(grad))
         return None, None, None, None

@@ -332,12 +332,20 @@ def _refusals(rank: int, world: int) -> list[str]:
             hapc.compile(model, cluster, inputs, segmented=True, **kwargs)
         except HapcError as exc:
             out.append(str(exc))
+    loss = hapc.compile(model, cluster, inputs, plan=_plan("residual", 2, ["linear_2"], [[0.7, 0.3], [0.2, 0.8]]))(
+        *inputs
+    )
+    try:
+        (loss * (rank + 1)).backward()  # a seed that differs between the ranks
+    except HapcError as exc:
+        out.append(str(exc))
     return out
 
 
 def test_options_the_runtime_cannot_honour_are_refused():
     msgs = run_distributed(_refusals, 2, timeout=120)[0]
-    assert len(msgs) == 4
+    assert len(msgs) == 5
+    assert "differs between the ranks" in msgs[4]
     assert "planned per segment" in msgs[0]
     assert "outputs=" in msgs[1] and "another plan kind" in msgs[1]
     assert "two plan kinds" in msgs[2]
