@@ -265,6 +265,12 @@ def _input_job(rank, world, cluster, plan):
         except HapcError as exc:
             out[name] = str(exc)
     out["ok"] = m(x).item()
+    for name, call in {"extra positional": lambda: m(x, x), "unknown keyword": lambda: m(x, scale=2.0)}.items():
+        try:
+            call()
+            out[name] = "accepted"
+        except TypeError as exc:  # what the model's own forward raises
+            out[name] = str(exc)
     return out
 
 
@@ -280,3 +286,8 @@ def test_inputs_unlike_the_traced_ones_are_refused_not_computed():
         assert "x.to(torch.float64)" in out["dtype"]
         assert out["batch"] == "accepted"  # another batch size: a replicated step (tests/test_data_loading.py)
         assert all("synthesize" in out[k] for k in ("wider", "rank", "dtype"))  # the fix
+        # an argument the model's forward has no parameter for raises as on one device, not dropped
+        with pytest.raises(TypeError):
+            _Broadcasting()(x, x)
+        assert "takes 1 positional argument(s) but 2 were given" in out["extra positional"]
+        assert "unexpected keyword argument 'scale'" in out["unknown keyword"]

@@ -106,7 +106,9 @@ class CompiledModule(nn.Module):
         self._graph_inputs = theory.graph.inputs
         self._input_names = [n.name for n in self._graph_inputs]  # the program's placeholders, in order
         # positional arguments bind by the model's signature: the graph omits unused inputs
-        self._positional = _positional_names(_signature(model), theory.graph.input_names)
+        sig = _signature(model)
+        self._positional = _positional_names(sig, theory.graph.input_names)
+        self._call_checker = _call_checker(sig, type(model).__name__, theory.graph.input_names)
         # forward parameters the capture took as constants (None, a flag), and verdicts on other values
         # for them (set by compile: hapc.codegen.constants)
         self._constant_inputs = ConstantInputs({})
@@ -200,6 +202,7 @@ class CompiledModule(nn.Module):
     def _run(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, tuple]:
         """The program on one batch: the loss and the model's other returned tensors."""
         names = self._input_names
+        self._call_checker(args, kwargs)
         bound = dict(zip(self._positional, args))
         bound.update(kwargs)
         _check_constant_inputs(self._constant_inputs, bound)
@@ -1043,6 +1046,32 @@ def _signature(model: nn.Module) -> inspect.Signature | None:
         return inspect.signature(model.forward)
     except (TypeError, ValueError):
         return None
+
+
+def _call_checker(sig: inspect.Signature | None, owner: str, inputs: list[str]) -> Any:
+    """What the model's own ``forward`` refuses, refused alike: an argument it has no parameter for
+    (a keyword without ``**kwargs``, one positional too many without ``*args``) raises the
+    ``TypeError`` one device raises, where binding by name would drop it silently."""
+    params = sig.parameters.values() if sig is not None else ()
+    names = {p.name for p in params}
+    if sig is None or not all(n in names for n in inputs):  # a pipeline stage's or a segment's program
+        return lambda args, kwargs: None  # (its inputs are the cut's, by name): its runtime binds them
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        keywords = None  # any keyword binds
+    else:
+        keywords = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    most = None if any(p.kind == p.VAR_POSITIONAL for p in params) else sum(p.kind in kinds for p in params)
+
+    def check(args: tuple, kwargs: dict) -> None:
+        if most is not None and len(args) > most:
+            raise TypeError(f"{owner}.forward() takes {most} positional argument(s) but {len(args)} were given")
+        if keywords is not None:
+            unknown = [k for k in kwargs if k not in keywords]
+            if unknown:
+                raise TypeError(f"{owner}.forward() got an unexpected keyword argument {unknown[0]!r}")
+
+    return check
 
 
 def _positional_names(sig: inspect.Signature | None, fallback: list[str]) -> list[str]:
