@@ -420,13 +420,16 @@ class SynthSpace:
         self._state_bits = (bits, masks)
         return self._state_bits
 
-    def _signature(self, s: Segment) -> tuple:
+    def _signature(self, s: Segment) -> int:
         """Structure of a segment under its canonical labels: equal signatures, equal searches.
-        (A hashable value; a segment's triples, costs, and what it must leave behind.)"""
+        (A segment's triples, costs, and what it must leave behind, as a tuple interned to an int
+        per theory: equal ints, equal tuples; hashing the tuple again in every space cost more than
+        building it.)"""
         th = self.theory
         # spaces of one theory for different device counts (a pipeline's sub-meshes) share most
         # segments: the signature is a function of what is in the key, computed once per theory
         memo = th.__dict__.setdefault("_segment_signatures", {})
+        interned = th.__dict__.setdefault("_segment_signature_ids", {})
         key = (tuple(s.anchors), tuple(s.triples), frozenset(s.local_needed.items()), s.local_tokens)
         hit = memo.get(key)
         if hit is not None:
@@ -454,7 +457,8 @@ class SynthSpace:
             )
         needed = frozenset((lab[x], ls) for x, ls in s.local_needed.items())
         tokens = frozenset((a, lab[r]) for a, r in s.local_tokens)
-        sig = (len(s.anchors), tuple(parts), needed, tokens)
+        structure = (len(s.anchors), tuple(parts), needed, tokens)
+        sig = interned.setdefault(structure, len(interned))
         memo[key] = (sig, s.labels, s.refs_of)
         return sig
 
