@@ -200,3 +200,42 @@ def test_hf_models_called_with_harmless_flags_train_as_one_device(name):
         assert hidden is not None and "input 'output_hidden_states' is True" in hidden
         assert "returns something else" in hidden
         assert tuple_ is not None and "input 'return_dict' is False" in tuple_
+
+
+def _hidden_job(rank: int, world: int, capture: str) -> dict:
+    import realworld
+
+    torch.set_num_threads(1)
+    model, batch = realworld.build("bert-cls")
+    batch = dict(batch, output_hidden_states=True)  # given to forward's **kwargs in transformers 5
+    module = hapc.compile(model, "local-cpu:2", batch, capture=capture)
+    res = module(**batch)
+    res.loss.backward()
+    hidden = res.hidden_states
+    return {
+        "loss": float(res.loss.detach()),
+        "hidden": None if hidden is None else [h.detach() for h in hidden],
+        "grads": module.full_gradients(),
+    }
+
+
+@pytest.mark.parametrize("capture", ["auto", "fx"])
+def test_a_flag_in_the_example_batch_reaching_kwargs_is_honoured(capture):
+    """``output_hidden_states=True`` in the example batch reaches BERT's ``**kwargs``: fx traced the
+    named parameters only and dropped it, so the program returned no hidden states (``None``) where
+    one device returns them all. The capture passes such keywords on as the call does."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("realworld")
+    import realworld
+
+    model, batch = realworld.build("bert-cls")
+    ref = model(**batch, output_hidden_states=True)
+    ref.loss.backward()
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    for r in run_distributed(_hidden_job, 2, capture, timeout=240):
+        assert r["hidden"] is not None and len(r["hidden"]) == len(ref.hidden_states)
+        for got, want in zip(r["hidden"], ref.hidden_states):
+            assert torch.allclose(got, want.detach(), rtol=1e-10, atol=1e-12)
+        assert r["loss"] == pytest.approx(float(ref.loss), rel=1e-12)
+        for k, g in grads.items():
+            assert torch.allclose(r["grads"][k], g, rtol=1e-9, atol=1e-12), k

@@ -120,7 +120,7 @@ def _library_leaves() -> tuple[Any, ...]:
     return (fn,) if callable(fn) else ()
 
 
-def _named_root(root_fn: Any) -> Any:
+def _named_root(root_fn: Any, extra: dict[str, Any] | None = None) -> Any:
     """A function with exactly the named parameters of a forward taking ``**kwargs`` (maybe behind
     a wrapper), calling ``root_fn`` with them by keyword (None when the forward takes no
     ``**kwargs``, or takes ``*args``): fx would give ``**kwargs`` a placeholder of its own, with no
@@ -129,7 +129,9 @@ def _named_root(root_fn: Any) -> Any:
         def forward(self, pixel_values=None, labels=None):
             return _wrapped(self, pixel_values=pixel_values, labels=labels)
 
-    Defaults are kept (fx's ``concrete_args`` and hapc's binding of the example inputs use them)."""
+    Defaults are kept (fx's ``concrete_args`` and hapc's binding of the example inputs use them).
+    ``extra``: keywords the example inputs give to ``**kwargs`` (Python values: flags such as
+    ``output_hidden_states=True``), passed on as constants, as the call passes them."""
     import inspect
 
     inner = inspect.unwrap(root_fn)
@@ -150,9 +152,9 @@ def _named_root(root_fn: Any) -> Any:
     first, rest = named[0].name, named[1:]
     defaults = {p.name: p.default for p in rest if p.default is not inspect.Parameter.empty}
     head = ", ".join([first, *(f"{p.name}=_d[{p.name!r}]" if p.name in defaults else p.name for p in rest)])
-    call = ", ".join(f"{p.name}={p.name}" for p in rest)
+    call = ", ".join([*(f"{p.name}={p.name}" for p in rest), *(["**_x"] if extra else [])])
     src = f"def {inner.__name__}({head}):\n    return _wrapped({first}, {call})\n"
-    scope: dict[str, Any] = {"_wrapped": root_fn, "_d": defaults}
+    scope: dict[str, Any] = {"_wrapped": root_fn, "_d": defaults, "_x": dict(extra or {})}
     exec(compile(src, f"<hapc root of {inner.__qualname__}>", "exec"), scope)
     return scope[inner.__name__]
 
@@ -210,7 +212,7 @@ class _Tracer(fx.Tracer):
         without an example value, and where the forward is decorated (``@can_return_tuple``: BEiT,
         Wav2Vec2, ...) it reads the parameters from the unwrapped forward but calls the wrapper,
         binding a proxy or ``None`` to the wrapper's own ``**kwargs``."""
-        shim = _named_root(root_fn)
+        shim = _named_root(root_fn, getattr(self, "var_keywords", {}))
         return super().create_args_for_root(shim or root_fn, is_module, concrete_args)
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
@@ -583,7 +585,16 @@ def _scripted_functions_as_python(model: nn.Module) -> Any:
 
 def _trace_fx(model: nn.Module, example_inputs: Any, leaf_modules: Sequence[type], registry: Registry,
               loss: str | int | None) -> RefGraph:  # fmt: skip
+    extra = _var_keyword_inputs(model, example_inputs)
+    tensors = [k for k, v in extra.items() if not isinstance(v, (bool, int, float, str))]
+    if tensors:
+        raise TraceError(
+            f"{type(model).__name__}.forward takes {tensors} through its **kwargs, which hapc's fx capture "
+            "passes on as constants only (not tensors); capture='export' takes them (capture='auto' does so "
+            "by itself)"
+        )
     tracer = _Tracer(tuple(leaf_modules), registry, example_inputs)
+    tracer.var_keywords = extra
 
     @contextlib.contextmanager
     def enter(k: int) -> Any:
@@ -618,6 +629,24 @@ def _trace_export(model: nn.Module, example_inputs: Any, loss: str | int | None)
     cap = export_capture(model, example_inputs)
     values, flops = _propagate(cap.gm, model, cap.inputs)
     return _Builder(cap.gm, model, values, flops, loss=loss, output_spec=cap.outputs).run(capture="export")
+
+
+def _var_keyword_inputs(model: nn.Module, example_inputs: Any) -> dict[str, Any]:
+    """Example keyword inputs (not None) that only a ``**kwargs`` of the forward takes: Hugging Face
+    passes ``output_hidden_states`` / ``output_attentions`` / ``return_dict`` so in transformers 5.
+    fx traces the named parameters (:func:`_named_root`) and passes these on as constants."""
+    import inspect
+
+    if not isinstance(example_inputs, dict):
+        return {}
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        return {}  # an unknown keyword: binding the inputs names it
+    named = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    return {k: v for k, v in example_inputs.items() if k not in named and v is not None}
 
 
 def _none_inputs(model: nn.Module, example_inputs: Any) -> dict[str, Any] | None:
