@@ -262,6 +262,10 @@ def cmd_synth(ns: argparse.Namespace) -> int:
     check_model_spec(ns.model)  # usage errors -- the model's name, the cluster -- before torch is imported
     cluster = Cluster.load(ns.cluster)
     _without_gc_pauses(ns)
+    if getattr(ns, "entry", False):  # the hapc process itself: sub-mesh kinds synthesized on 2 cores
+        from .pipeline import stagecost
+
+        stagecost.WORKERS = min(2, os.cpu_count() or 1)
     from .planner import choose_plan, kinds_table
 
     console = _console()

@@ -243,6 +243,8 @@ def cost_table(
 ) -> CostTable:
     """Per-layer costs of every (group, sub-mesh size) option; ``sizes``: only these sizes."""
     groups = {g.name: g for g in coster.cluster.groups}
+    wanted = [(name, n) for name in names for n in submesh_sizes(groups[name]) if sizes is None or n in sizes]
+    coster.prefetch(wanted)  # side by side where stagecost.WORKERS > 1
     options, rows = [], []
     for k, name in enumerate(names):
         for n in submesh_sizes(groups[name]):

@@ -40,7 +40,9 @@ stage in one group, and so does :mod:`hapc.pipeline.planner`.
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -66,6 +68,11 @@ from .layers import Layer
 ONE_DEVICE_SHORTCUT = True
 #: search the data-parallel incumbent in stage costs without a deadline too (see layer_costs)
 INCUMBENT = False
+#: processes that synthesize sub-mesh kinds side by side (:meth:`StageCoster.prefetch`); 1: this
+#: one alone. The ``hapc`` command sets it to 2 where the host has 2 cores or more (a fresh,
+#: short-lived process, where forking is safe); library calls and tests keep 1.
+WORKERS = 1
+_FIELDS = ("fwd", "bwd", "sync", "mem_param", "mem_act", "keep")
 
 
 def _kept_bytes(comm: Comm, m: int) -> float:
@@ -248,16 +255,69 @@ class StageCoster:
             out["mem_act"][li] += ma
         return out
 
+    def _model(self, group: str, size: int) -> CostModel:
+        return CostModel(
+            sub_cluster(self.cluster, group, size),
+            memory_factor=self.memory_factor,
+            precision=getattr(self.theory, "precision", None),  # autocast: the groups' half-precision rates
+        )
+
+    def prefetch(self, kinds: Sequence[tuple[str, int]]) -> None:
+        """Synthesize the sub-mesh kinds ``(group, size)`` not priced yet in :data:`WORKERS` (2)
+        processes: every second one in a forked child, which sends its :class:`LayerCosts` back as
+        ``.npz`` bytes through a pipe, the others here. Each synthesis is a function of its space and
+        cost model alone, so the costs are bit for bit those of :meth:`layer_costs` in one process;
+        a child that fails leaves its kinds to :meth:`layer_costs`. One-device kinds (no search)
+        stay here. Nothing happens with ``WORKERS < 2`` or fewer than two kinds to synthesize."""
+        todo, keys = [], set()
+        for group, size in kinds:
+            model = self._model(group, size)
+            key = model_key(model)
+            if key in self._costs or key in keys or (model.m == 1 and ONE_DEVICE_SHORTCUT):
+                continue
+            keys.add(key)
+            todo.append((group, size, key))
+        if WORKERS < 2 or len(todo) < 2 or not hasattr(os, "fork"):
+            return
+        theirs = todo[1::2]
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: its kinds, as arrays, then exit without the parent's teardown
+            code = 1
+            try:
+                os.close(read)
+                buf = io.BytesIO()
+                arrays = {}
+                for k, (group, size, _) in enumerate(theirs):
+                    lc = self.layer_costs(group, size)
+                    arrays |= {f"{k}_{f}": getattr(lc, f) for f in _FIELDS}
+                    arrays[f"{k}_program_time"] = np.array(lc.program_time)
+                np.savez(buf, **arrays)
+                with os.fdopen(write, "wb") as f:
+                    f.write(buf.getvalue())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        for group, size, _ in todo[0::2]:
+            self.layer_costs(group, size)
+        with os.fdopen(read, "rb") as f:
+            data = f.read()
+        _, status = os.waitpid(pid, 0)
+        if status != 0 or not data:
+            return  # layer_costs synthesizes them here when asked
+        got = np.load(io.BytesIO(data))
+        for k, (_, _, key) in enumerate(theirs):
+            fields = {f: got[f"{k}_{f}"] for f in _FIELDS}
+            self._costs[key] = LayerCosts(**fields, program_time=float(got[f"{k}_program_time"]))
+            self.syntheses += 1
+
     def layer_costs(self, group: str, size: int) -> LayerCosts:
         """Synthesize the model on ``size`` devices of ``group`` (once per :func:`model_key`) and split
         it by layer. Sub-meshes whose cost models price alike share one synthesis: e.g. 8 devices
         over 2 hosts of 4 and over 4 hosts of 2 (both rings cross the inter-host link), or equal
         device types in two groups."""
-        model = CostModel(
-            sub_cluster(self.cluster, group, size),
-            memory_factor=self.memory_factor,
-            precision=getattr(self.theory, "precision", None),  # autocast: the groups' half-precision rates
-        )
+        model = self._model(group, size)
         key = model_key(model)
         if key in self._costs:
             return self._costs[key]
