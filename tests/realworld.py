@@ -116,16 +116,20 @@ def llama(batch: int = 4, seq: int = 16, size: str = "tiny") -> tuple[nn.Module,
     return t.LlamaForCausalLM(cfg), dict(input_ids=ids, labels=ids)
 
 
-def mixtral(batch: int = 4, seq: int = 16, size: str = "tiny", experts: str = "batched_mm") -> tuple[nn.Module, dict]:
+def mixtral(
+    batch: int = 4, seq: int = 16, size: str = "tiny", experts: str = "batched_mm", router_logits: bool = False
+) -> tuple[nn.Module, dict]:
     """Mixtral (sparse MoE, 4 experts, top-2 routing). transformers' default experts path,
     ``grouped_mm`` (tokens sorted by expert, one grouped product per projection), calls
     ``F.grouped_mm``, which has no float64 CPU kernel: the float64 single-device reference cannot
     run it, so the zoo picks the documented alternative ``experts_implementation="batched_mm"``
-    (each token gathers its experts' weights); ``experts="grouped_mm"`` builds the default."""
+    (each token gathers its experts' weights); ``experts="grouped_mm"`` builds the default.
+    ``router_logits=True``: the router's load-balancing loss is added (``torch.bincount``: refused)."""
     t = _hf()
     kw = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=64, vocab_size=100, num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
-    cfg = t.MixtralConfig(**(kw if size == "tiny" else {}), experts_implementation=experts)
+    cfg = t.MixtralConfig(**(kw if size == "tiny" else {}), experts_implementation=experts,
+                          output_router_logits=router_logits)  # fmt: skip
     ids = _tokens(batch, seq, cfg.vocab_size)
     return t.MixtralForCausalLM(cfg), dict(input_ids=ids, labels=ids)
 

@@ -56,6 +56,33 @@ def test_untraceable_model_names_the_line_and_the_fix():
     assert "torch.where" in msg and "@hapc.custom_op" in msg  # the fix
 
 
+class _Counts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        counts = torch.bincount(h.argmax(-1), minlength=4)  # a length that depends on the values
+        return (h.sum(0) * counts).sum()
+
+
+def test_value_sized_op_names_the_op_and_a_static_rewrite():
+    """torch.bincount's output length is max(x) + 1: refused, naming the op and F.one_hot's count."""
+    with pytest.raises(TraceError, match=r"(?s)node bincount.*torch\.bincount's output length.*one_hot"):
+        hapc.trace(_Counts(), (torch.randn(6, 3),))
+
+
+def test_moe_router_loss_names_output_router_logits():
+    """transformers' MoE load-balancing loss (output_router_logits=True) counts tokens with
+    bincount: the refusal says so and how to train without it or count with one_hot."""
+    realworld = pytest.importorskip("realworld")
+    pytest.importorskip("transformers")
+    model, batch = realworld.mixtral(router_logits=True)
+    with pytest.raises(TraceError, match=r"(?s)load_balancing_loss.*output_router_logits=False.*one_hot"):
+        hapc.trace(model, batch)
+
+
 class _Erfcx(nn.Module):
     def __init__(self):
         super().__init__()

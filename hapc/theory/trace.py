@@ -945,9 +945,33 @@ def _propagate(
                     f"cannot compute shapes at node {node.name} ({_source(node)}): "
                     f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}\n"
                     "  hapc needs every shape and Python value to be static (no .item(), .tolist(), "
-                    "or ops whose output size depends on tensor values)"
+                    "or ops whose output size depends on tensor values)" + _value_sized_hint(node)
                 ) from exc
     return env, flops
+
+
+#: ops whose output length is a function of the input's values, not its shape
+_VALUE_SIZED = ("bincount", "nonzero", "unique", "masked_select", "argwhere")
+
+
+def _value_sized_hint(node: fx.Node) -> str:
+    """The fix for an op whose output length depends on values (``torch.bincount``: ``max(x) + 1``
+    bins): a count over a known number of classes is ``F.one_hot(x, n).sum(0)``, a static shape.
+    transformers' MoE models (Mixtral, Qwen2-MoE, ...) count tokens per expert with ``bincount``
+    in the router's load-balancing loss, which ``output_router_logits=True`` adds."""
+    name = str(getattr(node.target, "__name__", node.target)).split(".")[-1]
+    name = next((op for op in _VALUE_SIZED if op in (name, node.name.rstrip("_0123456789"))), None)
+    if name is None:
+        return ""
+    hint = f"\n  torch.{name}'s output length depends on the values in its input, not on its shape"
+    if name == "bincount":
+        hint += (
+            ": count over a known number of classes as F.one_hot(x, num_classes).sum(0) (static). "
+            "A transformers mixture-of-experts model calls it for the router's load-balancing loss "
+            "(output_router_logits=True): compile with output_router_logits=False (no auxiliary loss) "
+            "or add that loss in forward with the one_hot count"
+        )
+    return hint
 
 
 _SAME_SHAPE = (
