@@ -276,6 +276,18 @@ for _n, _k in [
             (lambda k: lambda a, b, c, g: ({}, (r(g, a, b, *([5] * k)),)))(_k),
         )
     )
+case("interpolate", lambda a, b, c, g: ({}, (r(g, a, b, 3, 4),)))(
+    lambda m, x, y, z: (
+        (
+            F.interpolate(x, scale_factor=2)
+            + F.interpolate(x, size=(6, 8), mode="bilinear", align_corners=False)
+            + F.interpolate(x, size=(6, 8), mode="bicubic", align_corners=True)
+        ).sum()
+        + F.interpolate(x.flatten(2), size=5, mode="linear").sum()
+        + F.interpolate(x.unsqueeze(2), scale_factor=(2, 1, 2), mode="trilinear").sum()
+        + F.interpolate(x, size=(2, 3), mode="area", antialias=False).sum()
+    )
+)
 
 # -- reductions and normalisation --------------------------------------------------------------------
 _3d = lambda a, b, c, g: ({}, (r(g, a, b + 1, c),))  # noqa: E731

@@ -171,6 +171,41 @@ def bart(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
     return t.BartForConditionalGeneration(cfg), dict(input_ids=ids, labels=_tokens(batch, seq // 2, cfg.vocab_size, 1))
 
 
+def qwen3(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
+    """Qwen3: GQA with an RMSNorm on every head's queries and keys before the rotary embedding."""
+    t = _hf()
+    cfg = t.Qwen3Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, intermediate_size=64, vocab_size=100)  # fmt: skip
+    ids = _tokens(batch, seq, cfg.vocab_size)
+    return t.Qwen3ForCausalLM(cfg), dict(input_ids=ids, labels=ids)
+
+
+def llama_padded(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
+    """Llama on a left-padded batch: rows of 16, 7, 13 and 4 tokens (``attention_mask`` 0 and
+    labels -100 on the pads), so each rank's rows hold a different number of counted tokens and
+    the loss is the mean over the whole batch's, not a mean of the ranks' means."""
+    t = _hf()
+    cfg = t.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=64, vocab_size=100)  # fmt: skip
+    ids = _tokens(batch, seq, cfg.vocab_size)
+    pads = torch.tensor([0, 9, 3, 12, 5, 1, 7, 2])[torch.arange(batch) % 8]
+    mask = (torch.arange(seq)[None, :] >= pads[:, None]).long()
+    labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
+    return t.LlamaForCausalLM(cfg), dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def modernbert(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
+    """ModernBERT masked LM: local (sliding-window 8) and global attention layers alternating,
+    rotary embeddings, a tied decoder."""
+    t = _hf()
+    cfg = t.ModernBertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                             vocab_size=100, pad_token_id=0, global_attn_every_n_layers=2, local_attention=8,
+                             max_position_embeddings=64)  # fmt: skip
+    ids = _tokens(batch, seq, cfg.vocab_size)
+    labels = torch.where(torch.arange(seq) % 4 == 0, ids, torch.full_like(ids, -100))
+    return t.ModernBertForMaskedLM(cfg), dict(input_ids=ids, labels=labels)
+
+
 def vit_hf(batch: int = 4, size: str = "tiny") -> tuple[nn.Module, dict]:
     t = _hf()
     kw = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, image_size=32,
@@ -227,12 +262,29 @@ def tv_mobilenet(batch: int = 4) -> tuple[nn.Module, tuple]:
     return WithLoss(tv.models.mobilenet_v3_small(num_classes=10, dropout=0.0)), _images(batch, 32, 10)
 
 
+def tv_densenet(batch: int = 4) -> tuple[nn.Module, tuple]:
+    """A two-block DenseNet: every layer's input is the concatenation of all earlier outputs."""
+    tv = import_torchvision()
+    m = tv.models.DenseNet(growth_rate=8, block_config=(2, 2), num_init_features=16, bn_size=2, num_classes=10)
+    return WithLoss(m), _images(batch, 32, 10)
+
+
 def timm_vit(batch: int = 4) -> tuple[nn.Module, tuple]:
     import_torchvision()
     import timm
 
     m = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=10)
     return WithLoss(m), _images(batch, 32, 10)
+
+
+def timm_efficientformer(batch: int = 4) -> tuple[nn.Module, tuple]:
+    """timm EfficientFormerV2-S0 at 64 px: convolution stages with batch norm, then attention
+    with a learned position bias and strided (down-sampling) attention."""
+    import_torchvision()
+    import timm
+
+    m = timm.create_model("efficientformerv2_s0", img_size=64, num_classes=10)
+    return WithLoss(m), _images(batch, 64, 10)
 
 
 #: name -> (factory, the library it needs)
@@ -254,6 +306,11 @@ MODELS: dict[str, tuple[Callable[..., tuple[nn.Module, Any]], str]] = {
     "tv-vit": (tv_vit, "torchvision"),
     "tv-mobilenet": (tv_mobilenet, "torchvision"),
     "timm-vit": (timm_vit, "timm"),
+    "qwen3": (qwen3, "transformers"),
+    "llama-padded": (llama_padded, "transformers"),
+    "modernbert": (modernbert, "transformers"),
+    "tv-densenet": (tv_densenet, "torchvision"),
+    "timm-efficientformer": (timm_efficientformer, "timm"),
 }
 
 

@@ -140,6 +140,18 @@ for _names, _k, _lin in [
     op(_names, _spec, linear=_linear_kind)
 
 
+@rule("interpolate", doc="batch and channel dims shard; the resized spatial dims never do")
+def _interpolate(view: OpView):
+    """``F.interpolate(x, size | scale_factor, mode, ...)`` on ``(N, C, *spatial)``: every mode
+    (nearest, (bi/tri)linear, bicubic, area, antialiased) computes each output pixel of channel
+    ``(n, c)`` from that channel's input pixels alone, so ``n`` and ``c`` shard and each device
+    resizes its own channels; a window crosses any cut of a spatial dim, so those never shard."""
+    spatial = view.operands[0].rank - 2
+    sp_in = " ".join(f"i{k}^" for k in range(spatial))
+    sp_out = " ".join(f"o{k}^" for k in range(spatial))
+    return view.annotate(f"n c {sp_in} -> n c {sp_out}")
+
+
 @rule("torch.nn.modules.activation.MultiheadAttention", doc="batch dim shards (module kept whole, weights replicated)")
 def _mha(view: OpView):
     """``nn.MultiheadAttention`` stays one op: sequences are independent, so the batch dim shards."""
