@@ -6,12 +6,13 @@ synthesizer for every sub-mesh kind, and the exact-memory DP of HARP Eq. 13-19 -
 end to end, with the stage table, η (HARP Eq. 20) and the Eq. 12 time split.
 
     python benchmarks/planner_speed.py [--batch 1024] [--seq 1024] [--micro 512]
-        [--recompute auto|never|always] [--precision bf16|fp16] [--json out.json]
+        [--recompute auto|never|always] [--precision fp16|bf16|fp32] [--json out.json]
 
 HARP's workload (§6): a global batch of ``--batch`` 1024 sequences of ``--seq`` 1024 tokens, cut
-into ``--micro`` micro-batches (512 by default: 2 sequences each, the traced micro-batch); the
-planner chooses activation recomputation per stage (``--recompute``, :mod:`hapc.pipeline.dp`) and
-prices mixed precision when ``--precision`` is given.
+into ``--micro`` micro-batches (512 by default: 2 sequences each, the traced micro-batch), trained
+in mixed precision as HARP (and Alpa under it) train it: ``--precision fp16`` by default (V100s have
+no bf16 units; ``fp32`` prices full precision); the planner chooses activation recomputation per
+stage (``--recompute``, :mod:`hapc.pipeline.dp`).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1024, help="sequences per step (HARP: 1024)")
     ap.add_argument("--seq", type=int, default=1024, help="tokens per sequence (HARP: 1024)")
     ap.add_argument("--recompute", default="auto", choices=["auto", "never", "always"])
-    ap.add_argument("--precision", default=None, choices=["bf16", "fp16"])
+    ap.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "fp32"])
     ap.add_argument("--model", default="gpt-39b")
     ap.add_argument("--cluster", default="harp-setting1")
     ap.add_argument("--json", default=str(Path(__file__).with_suffix(".json")))
@@ -102,7 +103,7 @@ def main() -> None:
         batch=args.batch,
         seq=args.seq,
         recompute=args.recompute,
-        precision=args.precision,
+        precision=None if args.precision == "fp32" else args.precision,
     )
     print(r["table"])
     t = r["timings"]
