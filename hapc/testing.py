@@ -69,6 +69,10 @@ def _worker(
             world_size=world,
             timeout=timedelta(seconds=timeout),
         )
+        # every rank past gloo's connectFullMesh before any goes on: a rank whose function needs no
+        # collective could otherwise finish and close its connections while a peer still connects
+        # ("Connection closed by peer" there, seen once under a loaded CI with emulated ranks)
+        dist.barrier()
         result = fn(rank, world, *args)
         buf = io.BytesIO()
         torch.save(result, buf)  # by value: shared-memory handles die with the process
