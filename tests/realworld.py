@@ -124,7 +124,8 @@ def mixtral(
     ``F.grouped_mm``, which has no float64 CPU kernel: the float64 single-device reference cannot
     run it, so the zoo picks the documented alternative ``experts_implementation="batched_mm"``
     (each token gathers its experts' weights); ``experts="grouped_mm"`` builds the default.
-    ``router_logits=True``: the router's load-balancing loss is added (``torch.bincount``: refused)."""
+    ``router_logits=True``: the router's load-balancing loss is added (``torch.bincount(...,
+    minlength=num_experts)``, captured as a one_hot count)."""
     t = _hf()
     kw = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=64, vocab_size=100, num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
@@ -295,6 +296,7 @@ MODELS: dict[str, tuple[Callable[..., tuple[nn.Module, Any]], str]] = {
     "bert-mlm": (bert_mlm, "transformers"),
     "llama": (llama, "transformers"),
     "mixtral": (mixtral, "transformers"),
+    "mixtral-router": (lambda **kw: mixtral(router_logits=True, **kw), "transformers"),
     "t5": (t5, "transformers"),
     "gemma": (gemma, "transformers"),
     "opt": (opt, "transformers"),

@@ -63,8 +63,8 @@ class _Counts(nn.Module):
 
     def forward(self, x):
         h = self.lin(x)
-        counts = torch.bincount(h.argmax(-1), minlength=4)  # a length that depends on the values
-        return (h.sum(0) * counts).sum()
+        counts = torch.bincount(h.argmax(-1))  # max(x) + 1 bins: a length that depends on the values
+        return h.sum() * counts.sum()
 
 
 def test_value_sized_op_names_the_op_and_a_static_rewrite():
@@ -73,14 +73,59 @@ def test_value_sized_op_names_the_op_and_a_static_rewrite():
         hapc.trace(_Counts(), (torch.randn(6, 3),))
 
 
-def test_moe_router_loss_names_output_router_logits():
-    """transformers' MoE load-balancing loss (output_router_logits=True) counts tokens with
-    bincount: the refusal says so and how to train without it or count with one_hot."""
-    realworld = pytest.importorskip("realworld")
-    pytest.importorskip("transformers")
-    model, batch = realworld.mixtral(router_logits=True)
-    with pytest.raises(TraceError, match=r"(?s)load_balancing_loss.*output_router_logits=False.*one_hot"):
-        hapc.trace(model, batch)
+class _RouterLoss(nn.Module):
+    """A switch-style auxiliary loss, as transformers' MoE load-balancing loss counts tokens per
+    expert: ``torch.bincount(top-k expert indices, minlength=experts)``."""
+
+    def __init__(self, experts: int = 5):
+        super().__init__()
+        self.router, self.head, self.experts = nn.Linear(6, experts), nn.Linear(6, 2), experts
+
+    def forward(self, x, y):
+        probs = torch.softmax(self.router(x), -1)
+        top = probs.topk(2, dim=-1).indices.reshape(-1)
+        counts = torch.bincount(top, minlength=self.experts).to(x.dtype)
+        aux = (counts / top.numel() * probs.mean(0)).sum() * self.experts
+        return nn.functional.mse_loss(self.head(x), y) + 0.1 * aux
+
+
+def _router_job(rank, world):
+    torch.manual_seed(0)
+    model = _RouterLoss().double()
+    x, y = torch.randn(9, 6, dtype=F64), torch.randn(9, 2, dtype=F64)
+    module = hapc.compile(model, cluster_of([3e9, 1e9]), (x, y))
+    opt = torch.optim.SGD(module.parameters(), lr=0.5, momentum=0.9)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = module(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "state": module.full_state_dict(), "code": module.code}
+
+
+def test_bincount_with_minlength_counts_as_on_one_device():
+    """``torch.bincount(x, minlength=m)`` of values below ``m`` (top-k expert indices) has ``m`` bins:
+    captured as ``F.one_hot(x, m).sum(0)`` (static), it trains as one device on 2 ranks at uneven
+    speeds (3 SGD steps, float64); transformers' Mixtral with ``output_router_logits=True`` is the
+    slow suite's ``mixtral-router``."""
+    torch.manual_seed(0)
+    model = _RouterLoss().double()
+    x, y = torch.randn(9, 6, dtype=F64), torch.randn(9, 2, dtype=F64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    want = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        want.append(float(loss.detach()))
+    for got in run_distributed(_router_job, 2):
+        assert "one_hot" in got["code"] and "bincount" not in got["code"]
+        assert got["losses"] == pytest.approx(want, rel=1e-12)
+        for k, v in model.state_dict().items():
+            assert torch.allclose(got["state"][k], v, rtol=1e-10, atol=1e-12), k
 
 
 class _Erfcx(nn.Module):

@@ -351,20 +351,50 @@ def trace(
     if capture not in CAPTURES:
         raise TraceError(f"capture must be one of {CAPTURES}, got {capture!r}")
     if capture == "export":
-        with _no_state_assignment():
+        with _no_state_assignment(), _bincount_with_minlength_as_one_hot():
             return _trace_export(model, example_inputs, loss)
     buffers = {k: b.detach().clone() for k, b in model.named_buffers() if b.device.type != "meta"}
     try:
-        with _no_state_assignment(), _restoring(model, buffers), _state_unchanged(model):
+        with (
+            _no_state_assignment(),
+            _restoring(model, buffers),
+            _state_unchanged(model),
+            _bincount_with_minlength_as_one_hot(),
+        ):
             return _trace_fx(model, example_inputs, leaf_modules, registry, loss)
     except TraceError as fx_error:
         if capture == "fx" or leaf_modules or _mutation_error(fx_error):
             raise
         try:
-            with _no_state_assignment():
+            with _no_state_assignment(), _bincount_with_minlength_as_one_hot():
                 return _trace_export(model, example_inputs, loss)
         except TraceError as export_error:
             raise TraceError(f"{fx_error}\n  (torch.export could not capture it either: {export_error})") from fx_error
+
+
+@contextlib.contextmanager
+def _bincount_with_minlength_as_one_hot() -> Any:
+    """While capturing, ``torch.bincount(x, minlength=m)`` (no weights) is captured as
+    ``F.one_hot(x, m).sum(0)``: the same counts, of static length ``m``, wherever every value of ``x``
+    is in ``[0, m)`` -- a count over known classes, as transformers' MoE load-balancing loss counts
+    tokens per expert (``minlength=num_experts`` over top-k expert indices). Where a value is ``>= m``
+    (one device would return ``max(x) + 1`` bins) the program's ``one_hot`` raises at run time instead
+    of returning other counts. Without ``minlength`` the length depends on the values: refused, as
+    before (:func:`_value_sized_hint`)."""
+    import torch.nn.functional as F
+
+    original = torch.bincount
+
+    def bincount(input: Any, weights: Any = None, minlength: int = 0) -> Any:
+        if weights is None and type(minlength) is int and minlength > 0:
+            return F.one_hot(input, minlength).sum(0)
+        return original(input, weights=weights, minlength=minlength)
+
+    torch.bincount = bincount  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.bincount = original
 
 
 def _mutation_error(exc: TraceError) -> bool:
@@ -956,9 +986,9 @@ _VALUE_SIZED = ("bincount", "nonzero", "unique", "masked_select", "argwhere")
 
 def _value_sized_hint(node: fx.Node) -> str:
     """The fix for an op whose output length depends on values (``torch.bincount``: ``max(x) + 1``
-    bins): a count over a known number of classes is ``F.one_hot(x, n).sum(0)``, a static shape.
-    transformers' MoE models (Mixtral, Qwen2-MoE, ...) count tokens per expert with ``bincount``
-    in the router's load-balancing loss, which ``output_router_logits=True`` adds."""
+    bins): a count over a known number of classes gives ``minlength`` (captured as
+    ``F.one_hot(x, n).sum(0)``, a static shape: :func:`_bincount_with_minlength_as_one_hot`), as
+    transformers' MoE models (Mixtral, Qwen2-MoE, ...) do in the router's load-balancing loss."""
     name = str(getattr(node.target, "__name__", node.target)).split(".")[-1]
     name = next((op for op in _VALUE_SIZED if op in (name, node.name.rstrip("_0123456789"))), None)
     if name is None:
@@ -966,10 +996,8 @@ def _value_sized_hint(node: fx.Node) -> str:
     hint = f"\n  torch.{name}'s output length depends on the values in its input, not on its shape"
     if name == "bincount":
         hint += (
-            ": count over a known number of classes as F.one_hot(x, num_classes).sum(0) (static). "
-            "A transformers mixture-of-experts model calls it for the router's load-balancing loss "
-            "(output_router_logits=True): compile with output_router_logits=False (no auxiliary loss) "
-            "or add that loss in forward with the one_hot count"
+            ": count over a known number of classes, torch.bincount(x, minlength=num_classes) (captured as "
+            "F.one_hot(x, num_classes).sum(0): a static length; a value >= num_classes then raises at run time)"
         )
     return hint
 
