@@ -73,6 +73,27 @@ def test_value_sized_op_names_the_op_and_a_static_rewrite():
         hapc.trace(_Counts(), (torch.randn(6, 3),))
 
 
+class _CountedSlice(nn.Module):
+    """A slice bound computed from values (bincount's length): torch.export records it as a node."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        counts = torch.bincount(h.argmax(-1))
+        return (h[:, : counts.shape[0]].sum(0) * counts).sum()
+
+
+def test_a_value_computed_slice_bound_is_refused_by_both_captures_naming_the_line():
+    """fx refuses the bincount; torch.export captures the slice with a symbolic bound, which hapc's
+    translator compared with an int: a raw TypeError escaped. Now a TraceError naming the line."""
+    both = r"(?s)torch\.export could not capture it either.*slice.*test_errors\.py.*static"
+    with pytest.raises(TraceError, match=both):
+        hapc.trace(_CountedSlice(), (torch.randn(6, 3),))
+
+
 class _RouterLoss(nn.Module):
     """A switch-style auxiliary loss, as transformers' MoE load-balancing loss counts tokens per
     expert: ``torch.bincount(top-k expert indices, minlength=experts)``."""

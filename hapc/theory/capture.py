@@ -39,7 +39,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..errors import TraceError
+from ..errors import HapcError, TraceError
 
 aten = torch.ops.aten
 
@@ -232,7 +232,18 @@ class _Translator:
             if node.op == "placeholder":
                 self.env[node] = self.source(node, specs[node.name], user_values)
             elif node.op == "call_function":
-                self.env[node] = self.call(node)
+                try:
+                    self.env[node] = self.call(node)
+                except HapcError:
+                    raise
+                except Exception as exc:  # a shape or bound the model computes from values (an fx Node)
+                    from .trace import _source
+
+                    raise TraceError(
+                        f"cannot translate torch.export's node {node.name} ({_source(node)}): "
+                        f"{type(exc).__name__}: {exc}; hapc needs every shape, size and slice bound to be "
+                        "static (not computed from tensor values)"
+                    ) from exc
             elif node.op == "get_attr":  # a higher-order op's subgraph
                 self.env[node] = getattr(self.ep.graph_module, node.target)
             elif node.op == "output":
