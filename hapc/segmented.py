@@ -165,19 +165,26 @@ def reshard_forward(b: Boundary, x: torch.Tensor, rank: int, world: int, group: 
         lo, hi = b.need_range(rank)
         return x[lo:hi].clone()
     a, _ = b.held_range(rank)
+    recvs = [b.overlap(r, rank) for r in range(world)]
+    # what this rank sends each peer: its rows that q takes; held slices are contiguous in rank
+    # order, so the pieces arrive as rows [N_q, N_{q+1})
+    return _exchange(x, a, [b.need_range(q) for q in range(world)], recvs, group)
+
+
+def _exchange(x: torch.Tensor, base: int, ranges: list[tuple[int, int]], recvs: list[int], group: Any) -> torch.Tensor:
+    """One uneven ``all_to_all``: this rank holds rows ``[base, base + len(x))`` and sends rank ``q``
+    their overlap with ``ranges[q]``; it receives ``recvs[q]`` rows from rank ``q``, in rank order."""
     pieces, sends = [], []
-    for q in range(world):  # what this rank sends each peer: its rows that q takes
-        c, d = b.need_range(q)
-        lo, hi = max(a, c), min(a + x.shape[0], d)
+    for lo, hi in ranges:
+        lo, hi = max(lo, base), min(hi, base + x.shape[0])
         n = max(0, hi - lo)
         sends.append(n)
         if n:
-            pieces.append(x[lo - a : hi - a])
-    recvs = [b.overlap(r, rank) for r in range(world)]
-    out = torch.empty((sum(recvs), b.features), dtype=x.dtype, device=x.device)
-    inp = torch.cat(pieces) if pieces else x.new_empty((0, b.features))
+            pieces.append(x[lo - base : hi - base])
+    out = torch.empty((sum(recvs), x.shape[1]), dtype=x.dtype, device=x.device)
+    inp = torch.cat(pieces) if pieces else x.new_empty((0, x.shape[1]))
     dist.all_to_all_single(out, inp.contiguous(), recvs, sends, group=group)
-    return out  # held slices are contiguous in rank order: the pieces arrive as rows [N_q, N_{q+1})
+    return out
 
 
 def reshard_backward(b: Boundary, g: torch.Tensor, rank: int, world: int, group: Any) -> torch.Tensor:
@@ -190,18 +197,9 @@ def reshard_backward(b: Boundary, g: torch.Tensor, rank: int, world: int, group:
         full[c:d] = g
         dist.all_reduce(full, group=group)
         return full
-    pieces, sends = [], []
-    for r in range(world):  # the gradient of the rows rank r held that this rank took
-        lo, hi = b.held_range(r)
-        lo, hi = max(lo, c), min(hi, d)
-        n = max(0, hi - lo)
-        sends.append(n)
-        if n:
-            pieces.append(g[lo - c : hi - c])
     recvs = [b.overlap(rank, q) for q in range(world)]
-    got = torch.empty((sum(recvs), b.features), dtype=g.dtype, device=g.device)
-    inp = torch.cat(pieces) if pieces else g.new_empty((0, b.features))
-    dist.all_to_all_single(got, inp.contiguous(), recvs, sends, group=group)
+    # the gradient of the rows rank r held that this rank took
+    got = _exchange(g, c, [b.held_range(r) for r in range(world)], recvs, group)
     a, e = b.held_range(rank)
     out = torch.zeros((e - a, b.features), dtype=g.dtype, device=g.device)
     at = 0

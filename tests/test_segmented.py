@@ -219,7 +219,8 @@ def _forced(rank: int, world: int, path: str) -> dict:
 def test_forced_kind_compiles_saves_and_loads(tmp_path):
     path = str(tmp_path / "seg.json")
     got = run_distributed(_forced, 2, path, timeout=180)
-    loss, grads = _one_device("residual", "sgd")["losses"][0], _one_device("residual", "sgd")["grads"]
+    ref = _one_device("residual", "sgd")
+    loss, grads = ref["losses"][0], ref["grads"]
     for rank, res in enumerate(got):
         assert_close(res["loss"], loss, F64, f"rank {rank} loss")
         assert_close(res["grads"], grads, F64, f"rank {rank} grads")
