@@ -24,10 +24,10 @@ the same model and example inputs. It leaves the model as it was -- its train/ev
 guard of :mod:`hapc.codegen.original` (the model may be stale: only shapes and control flow are
 read). Without a second capture are refused: a tensor where the program has a constant (a new
 input the program lacks) and any value other than ``None``, ``bool``, ``int``, ``float`` or
-``str`` (a cache object, a list). hapc's fx tracer does not see keywords that reach ``**kwargs``
-(transformers 5 routes ``return_dict`` and ``output_*`` there) and cannot follow an ``if`` on a
-flag off its default: such a change is judged by two ``torch.export`` captures, without and with
-it.
+``str`` (a cache object, a list). A keyword the call gives to ``**kwargs`` (transformers 5 routes
+``return_dict`` and ``output_*`` there; fx passes those of the compiled example on as constants,
+:func:`hapc.theory.trace._named_root`) and a flag off its default (an ``if`` fx cannot follow) are
+judged by two ``torch.export`` captures, without and with the change.
 
 The pipeline runtime takes its model inputs positionally (``module(*batch)``, one per traced
 input): a keyword, and so another constant, cannot be passed to it at all.
