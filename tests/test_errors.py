@@ -98,21 +98,23 @@ class _RouterLoss(nn.Module):
     """A switch-style auxiliary loss, as transformers' MoE load-balancing loss counts tokens per
     expert: ``torch.bincount(top-k expert indices, minlength=experts)``."""
 
-    def __init__(self, experts: int = 5):
+    def __init__(self, experts: int = 5, method: bool = False):
         super().__init__()
         self.router, self.head, self.experts = nn.Linear(6, experts), nn.Linear(6, 2), experts
+        self.method = method  # the Tensor method, x.bincount(minlength=m), as some models write it
 
     def forward(self, x, y):
         probs = torch.softmax(self.router(x), -1)
         top = probs.topk(2, dim=-1).indices.reshape(-1)
-        counts = torch.bincount(top, minlength=self.experts).to(x.dtype)
+        counts = top.bincount(minlength=self.experts) if self.method else torch.bincount(top, minlength=self.experts)
+        counts = counts.to(x.dtype)
         aux = (counts / top.numel() * probs.mean(0)).sum() * self.experts
         return nn.functional.mse_loss(self.head(x), y) + 0.1 * aux
 
 
-def _router_job(rank, world):
+def _router_job(rank, world, method):
     torch.manual_seed(0)
-    model = _RouterLoss().double()
+    model = _RouterLoss(method=method).double()
     x, y = torch.randn(9, 6, dtype=F64), torch.randn(9, 2, dtype=F64)
     module = hapc.compile(model, cluster_of([3e9, 1e9]), (x, y))
     opt = torch.optim.SGD(module.parameters(), lr=0.5, momentum=0.9)
@@ -126,13 +128,14 @@ def _router_job(rank, world):
     return {"losses": losses, "state": module.full_state_dict(), "code": module.code}
 
 
-def test_bincount_with_minlength_counts_as_on_one_device():
-    """``torch.bincount(x, minlength=m)`` of values below ``m`` (top-k expert indices) has ``m`` bins:
-    captured as ``F.one_hot(x, m).sum(0)`` (static), it trains as one device on 2 ranks at uneven
-    speeds (3 SGD steps, float64); transformers' Mixtral with ``output_router_logits=True`` is the
-    slow suite's ``mixtral-router``."""
+@pytest.mark.parametrize("method", [False, True], ids=["function", "method"])
+def test_bincount_with_minlength_counts_as_on_one_device(method):
+    """``torch.bincount(x, minlength=m)`` (or ``x.bincount(minlength=m)``) of values below ``m`` (top-k
+    expert indices) has ``m`` bins: captured as ``F.one_hot(x, m).sum(0)`` (static), it trains as one
+    device on 2 ranks at uneven speeds (3 SGD steps, float64); transformers' Mixtral with
+    ``output_router_logits=True`` is the slow suite's ``mixtral-router``."""
     torch.manual_seed(0)
-    model = _RouterLoss().double()
+    model = _RouterLoss(method=method).double()
     x, y = torch.randn(9, 6, dtype=F64), torch.randn(9, 2, dtype=F64)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     want = []
@@ -142,7 +145,7 @@ def test_bincount_with_minlength_counts_as_on_one_device():
         loss.backward()
         opt.step()
         want.append(float(loss.detach()))
-    for got in run_distributed(_router_job, 2):
+    for got in run_distributed(_router_job, 2, method):
         assert "one_hot" in got["code"] and "bincount" not in got["code"]
         assert got["losses"] == pytest.approx(want, rel=1e-12)
         for k, v in model.state_dict().items():

@@ -88,6 +88,8 @@ class _Proxy(fx.Proxy):
                 return getattr(val, name)
         if isinstance(val, tuple) and name in ("values", "indices"):  # x.max(dim).values
             return self[0 if name == "values" else 1]
+        if name == "bincount":  # x.bincount(minlength=m): as torch.bincount (captured over m bins)
+            return lambda weights=None, minlength=0: torch.bincount(self, weights, minlength)
         return super().__getattr__(name)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -374,7 +376,8 @@ def trace(
 
 @contextlib.contextmanager
 def _bincount_with_minlength_as_one_hot() -> Any:
-    """While capturing, ``torch.bincount(x, minlength=m)`` (no weights) is captured as
+    """While capturing, ``torch.bincount(x, minlength=m)`` (no weights; fx's ``x.bincount(...)`` too,
+    :class:`_Proxy`) is captured as
     ``F.one_hot(x, m).sum(0)``: the same counts, of static length ``m``, wherever every value of ``x``
     is in ``[0, m)`` -- a count over known classes, as transformers' MoE load-balancing loss counts
     tokens per expert (``minlength=num_experts`` over top-k expert indices). Where a value is ``>= m``
