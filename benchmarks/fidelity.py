@@ -18,9 +18,12 @@ Method (:mod:`fidelity_measure`):
    profiler's measurements and then runs a block of steps of every variant, so that the shared
    machine's changing load hits the profile and every variant alike.
 3. Each program is priced (:func:`hapc.synth.synthesizer.program_cost`) under the cluster built
-   from the rounds' medians -- the reported prediction -- and, for the ablation, under the same
-   cluster without ``op_overhead`` (the cost model before this benchmark), with collectives timed
-   right after a barrier instead of after ``GAP`` of computation, and under step 1's cluster.
+   from the rounds' medians -- the reported prediction; its collectives are timed by what the
+   runtime's implementation adds to bursts of ``GAP`` of computation
+   (``measure_collectives(marginal=True)``) -- and, for the ablation, under the same cluster
+   without ``op_overhead`` (the cost model before this benchmark), with collectives timed alone
+   right after ``GAP`` of computation (the method before) or right after a barrier, and under
+   step 1's cluster.
 
 Isolation (:func:`fidelity_measure.priority`, :func:`fidelity_measure.pin`): the host is shared
 with other work (load averages of 5-15 on its 2 cores were seen), which made a variant's median
@@ -94,6 +97,9 @@ def cost_models(initial: Cluster, concurrent: dict[str, Cluster]) -> dict[str, C
     return {
         MAIN: main,
         "without op_overhead": without_overhead(main),
+        "collectives timed alone after computation": concurrent[
+            "concurrent, collectives timed alone after computation"
+        ],
         "collectives after a barrier": concurrent["concurrent, collectives after a barrier"],
         "hapc profile before measuring": initial,
     }

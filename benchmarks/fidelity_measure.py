@@ -4,7 +4,8 @@ with profiling rounds (see that file's docstring for the method).
 On a host shared with other work the speed a process gets changes from second to second, so a
 cluster profiled once and steps measured a minute later see different machines. Here every rank
 runs, in each round, the profiler's measurements (:mod:`hapc.profile`: GEMM flop/s, memory
-bandwidth, per-operator overhead, every collective at several sizes) and then a few passes over
+bandwidth, per-operator overhead, every collective at several sizes -- by what it adds to a
+program, and, for the ablation, alone after computation and after a barrier) and then a few passes over
 the variants, one step of each per pass; the cluster is built from the medians over rounds, so
 profile and steps sample the same load.
 
@@ -46,6 +47,7 @@ from hapc.profile import (
 from hapc.testing import run_distributed
 
 GAP = 5e-4  # seconds of computation before each profiled collective, as in a program
+CALLS = 4  # collectives per timed loop of the marginal measurement (hapc.profile.measure_collectives)
 SLOW_LINK = {"bandwidth": "10 MB/s", "latency": "1 ms"}
 QUICK_PROFILE = {"sizes": (2**10, 2**16, 2**20), "reps": 3, "gemm": 128, "window": 0.005}
 #: CPU weight of the benchmark's processes against the host's other work (cgroup v1 ``cpu.shares``,
@@ -202,7 +204,8 @@ def _profile_job(rank: int, world: int, kwargs: dict[str, Any]) -> dict[str, Any
 
 
 def initial_profile(world: int, quick: bool) -> Cluster:
-    kwargs = {**(QUICK_PROFILE if quick else FULL_PROFILE), "gap": GAP, "half": (), "name": f"local-gloo-{world}"}
+    kwargs = {**(QUICK_PROFILE if quick else FULL_PROFILE), "gap": GAP, "marginal": True, "calls": CALLS, "half": ()}
+    kwargs["name"] = f"local-gloo-{world}"
     if not quick:
         kwargs["reps"] = 15
     return Cluster.from_dict(run_distributed(_profile_job, world, kwargs, timeout=600)[0])
@@ -233,9 +236,9 @@ def _profile_round(device: torch.device, opts: dict[str, Any]) -> dict[str, Any]
         "mem_bandwidth": measure_mem_bandwidth(device, **timing),
         "op_overhead": measure_op_overhead(device, **timing),
     }
-    for gap in (GAP, 0.0):
-        coll = measure_collectives(device, opts["sizes"], opts["reps"], gap)
-        out[f"gap {gap:g}"] = {p: points for p, (_, _, points) in coll.items()}
+    for key, gap, marginal in (("marginal", GAP, True), (f"gap {GAP:g}", GAP, False), ("gap 0", 0.0, False)):
+        coll = measure_collectives(device, opts["sizes"], opts["reps"], gap, marginal=marginal, calls=CALLS)
+        out[key] = {p: points for p, (_, _, points) in coll.items()}
     return out
 
 
@@ -279,15 +282,21 @@ def _measure_job(rank: int, world: int, jobs: list, steps: int, warmup: int, blo
 
 
 def concurrent_clusters(results: list[dict], world: int, name: str) -> dict[str, Cluster]:
-    """The cluster from the profiling rounds (medians over rounds; collectives timed after
-    ``GAP`` of computation), and the same with its collectives timed after a barrier."""
+    """The cluster from the profiling rounds (medians over rounds; each collective timed by what it
+    adds to bursts of ``GAP`` of computation, :func:`hapc.profile.measure_collectives` with
+    ``marginal=True``), and the same with its collectives timed alone right after ``GAP`` of
+    computation (the method before), or after a barrier."""
     reports = []
     for res in results:
         med = {k: statistics.median(r[k] for r in res["rounds"]) for k in ("flops", "mem_bandwidth", "op_overhead")}
         memory = device_memory(torch.device("cpu"), world)
         reports.append(DeviceReport(res["host"], "cpu", med["flops"], med["mem_bandwidth"], memory, med["op_overhead"]))
     out = {}
-    for key, label in ((f"gap {GAP:g}", "concurrent"), ("gap 0", "concurrent, collectives after a barrier")):
+    for key, label in (
+        ("marginal", "concurrent"),
+        (f"gap {GAP:g}", "concurrent, collectives timed alone after computation"),
+        ("gap 0", "concurrent, collectives after a barrier"),
+    ):
         collectives = {}
         for prim, points in results[0]["rounds"][0][key].items():  # every rank holds the max over ranks
             xs = [x for x, _ in points]

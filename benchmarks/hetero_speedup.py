@@ -3,8 +3,10 @@
 Two local gloo processes, each pinned to a core of its own, the second throttled to half a core by
 the CFS quota (:mod:`hapc.emulate`; labelled **emulated** in every output). The cluster hapc plans for
 is *measured* on those processes by ``hapc.profile`` (as ``hapc profile --local 2 --speeds 1,0.5``
-does), so the speeds come from the machine, not from a preset. For each model, in the same
-processes and interleaved in blocks (noise hits all alike):
+does), so the speeds come from the machine, not from a preset; its collectives are timed by what
+the runtime's implementation adds to a program computing between them
+(``hapc.profile.measure_collectives(marginal=True)``, as ``benchmarks/fidelity.py`` does). For each
+model, in the same processes and interleaved in blocks (noise hits all alike):
 
 * **hapc**: the plan ``hapc.synthesize`` picks on the profiled cluster, fed the global batch (the
   ``plan`` column names the parameters it shards; "DP" when it replicates them all);
@@ -65,9 +67,12 @@ CASES: dict[str, tuple[str, dict, dict]] = {
 
 
 def _profile_job(rank: int, world: int, reps: int) -> str:
+    from fidelity_measure import CALLS, GAP
+
     from hapc.profile import profile
 
-    cluster, _ = profile(reps=reps, gemm=512, half=(), name="emulated-1-0.5")  # fp32 plans only
+    # fp32 plans only; collectives timed by what they add to a program (as benchmarks/fidelity.py)
+    cluster, _ = profile(reps=reps, gemm=512, gap=GAP, marginal=True, calls=CALLS, half=(), name="emulated-1-0.5")
     return cluster.to_toml()
 
 

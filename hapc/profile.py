@@ -24,6 +24,17 @@ as well as the large ones. By default each timed collective follows a barrier (t
 alone); ``gap > 0`` times it after ``gap`` seconds of computation on every rank instead, as it
 runs inside a program -- on a host whose cores are shared, a rank then also waits for its peers
 to be scheduled, which the barrier hides (``benchmarks/fidelity.py`` measures the difference).
+``marginal=True`` (with ``gap > 0``) measures what a collective *adds to a program*: the runtime's
+own implementation of the primitive (:mod:`hapc.collectives.ops`: padding, packing, the flat
+gloo/NCCL call) called ``k`` times between bursts of ``gap`` seconds of computation, minus the
+same bursts alone, per call::
+
+    t(x) = ( T[k x (burst + collective(x))] - T[k x burst] ) / k
+
+so it also holds what the call costs the computation around it (waking the communication
+threads, which share the cores with the computation on a CPU host, and the slower compute right
+after), which timing the call alone misses: on this project's 2-core host a small all-reduce adds
+about 0.8 ms to a program, where the call alone takes 0.3-0.4 ms. The fit is the same.
 
 Device numbers are medians of loops lasting ``window`` seconds that every rank runs at once
 between two barriers: ranks sharing a host's cores (``--local N`` on a CPU) are thus measured at
@@ -239,6 +250,51 @@ def _primitive(name: str, x_bytes: int, world: int, device: torch.device) -> Cal
     raise HapcError(f"unknown primitive {name!r}")
 
 
+def _runtime_call(name: str, x_bytes: int, world: int, device: torch.device) -> Callable[[], Any]:
+    """A closure running the runtime's own implementation of ``name`` (:mod:`hapc.collectives.ops`,
+    padded variants, as a program calls them) on ``x_bytes`` in the cost model's convention; the
+    grouped variants' broadcast and reduce are plain ``torch.distributed`` calls there too."""
+    from .collectives import ops
+
+    n = max(1, x_bytes // 4)
+    if name == "all_gather":
+        shard = torch.ones(n, device=device)
+        return lambda: ops.gather_impl(shard, 0, [n] * world, None, "padded")
+    if name == "reduce_scatter":
+        full = torch.ones(n * world, device=device)
+        return lambda: ops.scatter_impl(full, 0, [n] * world, None, "padded")
+    if name == "all_reduce":
+        buf = torch.ones(n, device=device)
+        return lambda: ops.reduce_impl(buf, None)
+    if name == "all_to_all":
+        per = max(1, n // world)
+        send = torch.ones(1, per * world, device=device)  # one row, split by columns: each rank's send buffer
+        return lambda: ops.a2a_impl(send, 0, 1, [1] * world, [per] * world, None)
+    return _primitive(name, x_bytes, world, device)
+
+
+def _marginal_time(fn: Callable[[], Any], burst: Callable[[], Any], device: torch.device, reps: int, k: int) -> float:
+    """Seconds a call of ``fn`` adds to a loop of computation bursts: the median over ``reps`` of
+    ``k x (burst + fn)`` minus the median of ``k x burst``, over ``k`` (see the module docstring).
+    Floored at one microsecond (two noisy medians can differ the wrong way for the smallest calls)."""
+    fn()
+    burst()
+    dist.barrier()
+    timed: tuple[list[float], list[float]] = ([], [])
+    for _ in range(reps):
+        for with_call, out in ((True, timed[0]), (False, timed[1])):
+            dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(k):
+                burst()
+                if with_call:
+                    fn()
+            _sync(device)
+            out.append(time.perf_counter() - t0)
+    return max((statistics.median(timed[0]) - statistics.median(timed[1])) / k, 1e-6)
+
+
 def fit_alpha_beta(xs: Sequence[float], ts: Sequence[float], relative: bool = False) -> tuple[float, float]:
     """Least-squares ``t = alpha + beta * x`` with both coefficients kept non-negative.
 
@@ -256,14 +312,19 @@ def fit_alpha_beta(xs: Sequence[float], ts: Sequence[float], relative: bool = Fa
     return float(alpha), float(beta)
 
 
-def _burst(device: torch.device, seconds: float) -> Callable[[], Any]:
-    """A closure computing for about ``seconds`` (small GEMMs), as a program does between collectives."""
+def _burst(device: torch.device, seconds: float, alike: bool = True) -> Callable[[], Any]:
+    """A closure computing for about ``seconds`` (small GEMMs), as a program does between collectives.
+
+    ``alike``: every rank runs the same number of GEMMs (the slowest rank's count); else each rank
+    its own count, so that every rank computes for ``seconds`` -- as the ranks of a plan balanced
+    for their speeds do between collectives."""
     if seconds <= 0:
         return lambda: None
     a = torch.randn(64, 64, device=device)
     once = _median_time(lambda: a @ a, device, 5)
     count = torch.tensor([max(1, round(seconds / max(once, 1e-9)))], dtype=torch.int64, device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)  # every rank computes alike
+    if alike:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)  # every rank computes alike
     n = int(count.item())
 
     def burst() -> None:
@@ -274,22 +335,36 @@ def _burst(device: torch.device, seconds: float) -> Callable[[], Any]:
 
 
 def measure_collectives(
-    device: torch.device, sizes: Sequence[int] = DEFAULT_SIZES, reps: int = 5, gap: float = 0.0
+    device: torch.device,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    reps: int = 5,
+    gap: float = 0.0,
+    *,
+    marginal: bool = False,
+    calls: int = 8,
 ) -> dict[str, tuple[float, float, list[tuple[int, float]]]]:
     """Per primitive: ``(alpha, beta, [(x_bytes, seconds), ...])``. Every rank must call.
 
     ``gap = 0``: every timed call follows a barrier (the collective alone). ``gap > 0``: every
     timed call follows about ``gap`` seconds of computation on each rank instead, as in a
     program, so its time includes what a rank waits for its peers to be scheduled and reach the
-    call (on a host whose cores are shared, much more than the collective alone)."""
+    call (on a host whose cores are shared, much more than the collective alone).
+    ``marginal`` (needs ``gap > 0``): the time the runtime's implementation adds to ``calls``
+    bursts of ``gap`` seconds of computation on every rank (each rank's own, so ranks of different
+    speeds compute alike long, as under a balanced plan), per call (:func:`_marginal_time`, the
+    module docstring)."""
+    if marginal and gap <= 0:
+        raise HapcError("measure_collectives: marginal=True times calls between bursts of computation; give gap > 0")
     world = dist.get_world_size()
-    burst = _burst(device, gap)
+    burst = _burst(device, gap, alike=not marginal)
     out = {}
     for name in PRIMITIVES:
         points = []
         for x in sizes:
-            fn = _primitive(name, x, world, device)
-            if gap > 0:
+            fn = (_runtime_call if marginal else _primitive)(name, x, world, device)
+            if marginal:
+                t = _marginal_time(fn, burst, device, reps, calls)
+            elif gap > 0:
                 times = []
                 fn()
                 dist.barrier()
@@ -398,6 +473,8 @@ def profile(
     gemm: int = 1024,
     window: float = 0.02,
     gap: float = 0.0,
+    marginal: bool = False,
+    calls: int = 8,
     dtype: torch.dtype = torch.float32,
     half: Sequence[str] = ("bf16", "fp16"),
     name: str = "profiled",
@@ -407,8 +484,10 @@ def profile(
 
     ``window``: seconds each timed loop of device measurements lasts (longer: steadier numbers).
     ``gap``: seconds of computation before each timed collective instead of a barrier (see
-    :func:`measure_collectives`). ``half``: the precisions whose GEMM rate is measured too
-    (``flops_bf16`` / ``flops_fp16`` in the file; ``()``: none).
+    :func:`measure_collectives`); ``marginal``: time what each collective adds to a program
+    instead (needs ``gap > 0``; ``calls`` per timed loop; :func:`measure_collectives`).
+    ``half``: the precisions whose GEMM rate is measured too (``flops_bf16`` / ``flops_fp16`` in
+    the file; ``()``: none).
 
     Returns the cluster and the raw measurements; rank 0 writes ``out`` when given."""
     if not dist.is_initialized():
@@ -434,7 +513,7 @@ def profile(
         **{f"flops_{p}": measure_half_flops(device, p, gemm, **timing) for p in half},
     )
     reports = gather_reports(mine, device)
-    collectives = measure_collectives(device, sizes, reps, gap)
+    collectives = measure_collectives(device, sizes, reps, gap, marginal=marginal, calls=calls)
     cluster = build_cluster(reports, collectives, name)
     if out is not None and dist.get_rank() == 0:
         with open(out, "w") as f:

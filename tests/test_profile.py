@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import hapc
 from hapc import models
 from hapc.cli import main, tomllib_loads
 from hapc.cluster import PRIMITIVES, Cluster
-from hapc.profile import DeviceReport, build_cluster, fit_alpha_beta, profile
+from hapc.errors import HapcError
+from hapc.profile import (
+    DeviceReport,
+    _marginal_time,
+    _runtime_call,
+    build_cluster,
+    fit_alpha_beta,
+    measure_collectives,
+    profile,
+)
 from hapc.testing import run_distributed
 
 
@@ -101,3 +112,55 @@ def test_cli_profile_outside_torchrun_says_how_to_start(monkeypatch, capsys):
     monkeypatch.delenv("RANK", raising=False)
     assert main(["profile"]) == 2
     assert "torchrun" in capsys.readouterr().err
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _marginal_job(rank, world):
+    import torch
+
+    burst = lambda: _spin(2e-4)  # noqa: E731
+    cpu = torch.device("cpu")
+    return (
+        _marginal_time(lambda: _spin(2e-3), burst, cpu, reps=3, k=4),
+        _marginal_time(lambda: None, burst, cpu, reps=3, k=4),
+    )
+
+
+def test_marginal_time_is_what_a_call_adds_to_the_computation_around_it():
+    # a call known to take 2 ms adds 2 ms to the loop; one that does nothing adds (about) nothing:
+    # the bursts' own time is subtracted, not counted as the call's
+    two_ms, nothing = run_distributed(_marginal_job, 1)[0]
+    assert 1.5e-3 < two_ms < 8e-3, two_ms
+    assert nothing < 1e-4, nothing
+
+
+def _runtime_job(rank, world):
+    import torch
+
+    cpu = torch.device("cpu")
+    shapes = {p: tuple(_runtime_call(p, 64, world, cpu)().shape) for p in ("all_gather", "reduce_scatter")}
+    shapes["all_reduce"] = float(_runtime_call("all_reduce", 64, world, cpu)()[0])
+    shapes["all_to_all"] = int(_runtime_call("all_to_all", 64, world, cpu)().numel())
+    coll = measure_collectives(cpu, (1024, 65536), reps=1, gap=1e-4, marginal=True, calls=2)
+    return shapes, {p: pts for p, (_, _, pts) in coll.items()}
+
+
+def test_marginal_collectives_call_the_runtime_in_the_cost_models_convention():
+    # x bytes: the per-rank shard of an all-gather and reduce-scatter, the whole tensor of an
+    # all-reduce, each rank's send buffer of an all-to-all (hapc.theory.cost)
+    shapes, points = run_distributed(_runtime_job, 2)[0]
+    assert shapes == {"all_gather": (32,), "reduce_scatter": (16,), "all_reduce": 2.0, "all_to_all": 16}
+    assert set(points) == set(PRIMITIVES)
+    assert all([x for x, _ in pts] == [1024, 65536] and all(t > 0 for _, t in pts) for pts in points.values())
+
+
+def test_marginal_collectives_need_computation_between_calls():
+    import torch
+
+    with pytest.raises(HapcError, match="gap > 0"):
+        measure_collectives(torch.device("cpu"), (1024,), marginal=True)
