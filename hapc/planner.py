@@ -500,9 +500,10 @@ def choose_plan(
     none); each (count, layout) is one more entry ``pipeline xR (layout)``. ``recompute``: the
     pipeline's activation recomputation (:func:`hapc.pipeline.plan_pipeline`; ``"auto"``: chosen per
     stage where memory binds, ``"never"``, ``"always"``). ``prune`` (default on, exact): a pipeline
-    candidate whose Eq. 12 lower bound is no better than a pipeline already priced skips its DP and
-    is listed ``"pruned"`` (:func:`_price_pipelines`); the choice, every time priced and the counts
-    searched are those of ``prune=False``. A ``time_limit`` in
+    candidate whose Eq. 12 lower bound -- first one without a synthesis, then one over its
+    synthesized stage costs -- is no better than a pipeline already priced skips its syntheses or
+    its DP and is listed ``"pruned"`` (:func:`_price_pipelines`); the choice, every time priced and
+    the counts searched are those of ``prune=False``. A ``time_limit`` in
     ``synth_options`` bounds the SPMD search and, with a budget of its own, every search of the
     pipeline's pricing (:func:`~hapc.synth.synthesizer.searches_until`): planning takes about twice
     it at most, plus tracing, deriving and the pipelines' non-search work.
@@ -652,14 +653,21 @@ def _price_pipelines(
     ``(estimate, plan or None)`` per replica count and layout. ``labelled``: say the count in the
     labels (the planner searched it).
 
-    ``above`` (exact pruning; None: off): the least pipeline time priced before. Each candidate's DP runs only
-    where its Eq. 12 lower bound (:func:`hapc.pipeline.dp.step_lower_bound`) is below the least of
-    ``above`` and the times priced here so far; a candidate that is not is listed ``"pruned"``, its
-    time unknown but no less than that least. Neither the choice nor :func:`search_micro`'s path
-    changes: the least over this count's candidates comes out exact wherever it is below ``above``
-    (a pruned one is no better than one priced before it), and at or above ``above`` otherwise,
-    and the search moves to a count only if that count beats the least so far (which ``above`` is)."""
-    from .pipeline.planner import PipelinePruned, plan_pipeline
+    ``above`` (exact pruning; None: off): the least pipeline time priced before. A candidate is
+    synthesized only where its synthesis-free lower bound (:func:`hapc.pipeline.planner.step_bound`)
+    is below the least of ``above`` and the times priced here so far, and its DP runs only where the
+    Eq. 12 lower bound over its synthesized stage costs (:func:`hapc.pipeline.dp.step_lower_bound`)
+    is too; a candidate that is not is listed ``"pruned"``, its time unknown but no less than that
+    least. Where the count is searched (``labelled``) the candidates are priced in the order of their
+    synthesis-free bound (the likeliest winner first, so more of the others are pruned; listed in
+    their usual order), and one listed before a candidate priced here is pruned only by a bound
+    *above* that candidate's time (it would win a tie); a fixed count keeps the listed order. Neither
+    the choice nor :func:`search_micro`'s path changes: the least over this count's candidates comes
+    out exact wherever it is below ``above`` (a pruned one is no better than one priced), and at or
+    above ``above`` otherwise, and the search moves to a count only if that count beats the least
+    so far (which ``above`` is)."""
+    from .pipeline.layers import build_layers
+    from .pipeline.planner import PipelinePruned, plan_pipeline, step_bound
     from .pipeline.replicas import layouts
     from .pipeline.runtime import micro_batches
     from .theory import derive, trace
@@ -674,14 +682,26 @@ def _price_pipelines(
         est = KindEstimate(kind + tag, "infeasible", reason=str(exc), seconds=time.perf_counter() - t0,
                            num_micro=num_micro)  # fmt: skip
         return [(est, None)]
-    out: list[tuple[KindEstimate, Any]] = []
     cache: dict[str, Any] = {}  # stage costs shared by the replica counts
     counts = [1] + replica_counts(cluster, num_micro, replicas)
     candidates = [(n, lay) for n in counts for lay in (layouts(cluster, n) if n > 1 else ["blocked"])]
     rows = batch // num_micro
-    for R, layout in candidates:
+    layers = build_layers(th.graph, min_compute=2)  # plan_pipeline's, once for every candidate
+    visit = list(range(len(candidates)))
+    if above is not None and labelled:  # a searched count: the likeliest first (see the docstring)
+        bounds = [step_bound(th, layers, cluster, num_micro, replicas=R, layout=lay, cache=cache)
+                  for R, lay in candidates]  # fmt: skip
+        visit.sort(key=lambda i: (bounds[i], i))
+    slots: list[tuple[KindEstimate, Any] | None] = [None] * len(candidates)
+    for i in visit:
+        R, layout = candidates[i]
         label = (kind if R == 1 else f"{kind} x{R} ({layout})") + tag
         t1 = time.perf_counter()
+        least = above
+        for j, done in enumerate(slots):
+            if least is not None and done is not None and done[1] is not None:
+                # one listed after this candidate loses a tie to it: prune only a bound above its time
+                least = min(least, done[0].time if j < i else math.nextafter(done[0].time, math.inf))
         try:
             pplan = plan_pipeline(
                 model,
@@ -689,22 +709,23 @@ def _price_pipelines(
                 micro,
                 num_micro=num_micro,
                 theory=th,
+                layers=layers,
                 replicas=R,
                 layout=layout,
                 cache=cache,
                 recompute=recompute,
-                above=None if above is None else min([above] + [e.time for e, p in out if p is not None]),
+                above=least,
             )
         except PipelinePruned as exc:
             seconds = time.perf_counter() - (t0 if R == 1 else t1)
             est = KindEstimate(label, "pruned", reason=str(exc), seconds=seconds, replicas=R, num_micro=num_micro)
-            out.append((est, None))
+            slots[i] = (est, None)
             continue
         except HapcError as exc:  # PlanningError: no pipeline fits (memory, layers, links)
             seconds = time.perf_counter() - (t0 if R == 1 else t1)
             why = str(exc) if R == 1 else f"one replica ({cluster.num_devices // R} devices): {exc}"
             est = KindEstimate(label, "infeasible", reason=why, seconds=seconds, replicas=R, num_micro=num_micro)
-            out.append((est, None))
+            slots[i] = (est, None)
             continue
         groups = sorted({s.group for s in pplan.stages})
         summary = (
@@ -725,8 +746,8 @@ def _price_pipelines(
         seconds = time.perf_counter() - (t0 if R == 1 else t1)
         est = KindEstimate(label, "feasible", pplan.time, summary=summary, seconds=seconds, replicas=R,
                            num_micro=num_micro)  # fmt: skip
-        out.append((est, pplan))
-    return out
+        slots[i] = (est, pplan)
+    return [x for x in slots if x is not None]
 
 
 def _price_segmented(

@@ -51,6 +51,9 @@ from .layers import Layer, build_layers
 from .schedule import HARP_EPSILON
 from .stagecost import StageCoster, submesh_sizes
 
+#: skip a candidate whose synthesis-free bound (:func:`step_bound`) is no better than ``above``
+#: before its stage costs are synthesized (exact; False: only the bound over the synthesized costs)
+PRICE_BOUND = True
 #: 2: data-parallel replicas (``replicas``, ``layout``, a stage's ``replica_sync``); 3: a stage's
 #: ``recompute`` and ``mem_in`` (a version-2 plan reads as one without recomputation)
 VERSION = 3
@@ -260,6 +263,70 @@ def cost_table(
     return CostTable(options, **stack, out_bytes=np.array([float(x.out_bytes) for x in layers]), keep=keep)
 
 
+def lower_table(
+    coster: StageCoster,
+    layers: Sequence[Layer],
+    names: Sequence[str],
+    whole: Cluster,
+    replicas: int,
+    layout: str,
+    num_micro: int,
+    sizes: Sequence[int] | None = None,
+) -> CostTable:
+    """A cost table bounding :func:`cost_table`'s from below, without a synthesis: each option's
+    row is :meth:`StageCoster.lower_per_micro` (per layer, at most the ``fwd + bwd + sync / B`` the
+    DP charges, the all-reduce across ``replicas`` included), put in ``fwd`` (``bwd = sync = 0``).
+    :func:`~hapc.pipeline.dp.step_lower_bound` only grows with each entry of ``fwd + bwd + sync / B``
+    (sums, minima and maxima of them), so its value on this table is a lower bound of its value on
+    the synthesized table, hence of every plan's Eq. 12 time. ``num_micro``: per replica."""
+    from .replicas import sync_seconds_per_byte
+
+    groups = {g.name: g for g in coster.cluster.groups}
+    options, rows = [], []
+    for k, name in enumerate(names):
+        for n in submesh_sizes(groups[name]):
+            if sizes is not None and n not in sizes:
+                continue
+            per_byte = sync_seconds_per_byte(whole, replicas, layout, name, n) if replicas > 1 else 0.0
+            options.append(Option(k, n))
+            rows.append(coster.lower_per_micro(name, n, num_micro, per_byte))
+    if not rows:
+        raise PlanningError(f"no group has a sub-mesh of {list(sizes or [])} devices")
+    lb = np.stack(rows)
+    zero = np.zeros_like(lb)
+    return CostTable(options, lb, zero, zero, zero, zero, out_bytes=np.array([float(x.out_bytes) for x in layers]))
+
+
+def step_bound(
+    theory: Any,
+    layers: Sequence[Layer],
+    cluster: Cluster,
+    num_micro: int,
+    *,
+    replicas: int = 1,
+    layout: str = "blocked",
+    cache: dict | None = None,
+    order: Sequence[str] | None = None,
+    memory_factor: float = 4.0,
+    sizes: Sequence[int] | None = None,
+    baseline: str | None = None,
+) -> float:
+    """A lower bound on the Eq. 12 time of every plan :func:`plan_pipeline` can return for these
+    arguments (``num_micro``: the global batch's micro-batches), without synthesizing a stage:
+    :func:`~hapc.pipeline.dp.step_lower_bound` over :func:`lower_table`. Milliseconds where a
+    plan takes seconds; the planner prices candidates in the order of it and skips those it
+    proves no better (:func:`hapc.planner.choose_plan`)."""
+    from .replicas import replica_cluster
+
+    whole = Cluster.load(cluster) if not isinstance(cluster, Cluster) else cluster
+    sub = replica_cluster(whole, replicas, layout)
+    names = group_order(sub, order)
+    coster = StageCoster(theory, layers, sub, memory_factor=memory_factor, cache=cache, baseline=baseline)
+    per = num_micro // replicas
+    return step_lower_bound(lower_table(coster, layers, names, whole, replicas, layout, per, sizes),
+                            cluster_links(sub, names), per)  # fmt: skip
+
+
 def solve(
     table: CostTable,
     groups: list[GroupSpec],
@@ -441,6 +508,13 @@ def plan_pipeline(
     t2 = time.perf_counter()
     names = group_order(cluster, order)
     coster = StageCoster(theory, layers, cluster, memory_factor=memory_factor, cache=cache, baseline=baseline)
+    links = cluster_links(cluster, names)
+    if above is not None and above < math.inf and PRICE_BOUND:
+        # before any synthesis: the bound over per-layer lower bounds of the stage costs
+        bound = step_lower_bound(lower_table(coster, layers, names, whole, replicas, layout, num_micro, sizes),
+                                 links, num_micro)  # fmt: skip
+        if bound >= above:
+            raise PipelinePruned(bound, above)
     table = cost_table(coster, layers, names, sizes)
     extra = np.zeros_like(table.sync)
     if replicas > 1:  # the all-reduce across replicas: one more once-per-step sync of each stage
@@ -449,7 +523,6 @@ def plan_pipeline(
             extra[o] = table.mem_param[o] / memory_factor * per_byte
         table.sync = table.sync + extra
     t3 = time.perf_counter()
-    links = cluster_links(cluster, names)
     if above is not None and above < math.inf:
         bound = step_lower_bound(table, links, num_micro)
         if bound >= above:

@@ -49,7 +49,7 @@ import numpy as np
 
 from ..cluster import Cluster, Group
 from ..errors import HapcError
-from ..synth.cost import CostModel
+from ..synth.cost import CostModel, _launches
 from ..synth.synthesizer import (
     _SCOPED_DEADLINE,
     SynthResult,
@@ -58,7 +58,7 @@ from ..synth.synthesizer import (
     replicated_triples,
     synthesize_program,
 )
-from ..theory.cost import Comm
+from ..theory.cost import PRIMITIVES, Comm
 from ..theory.instructions import Compute
 from ..theory.props import DONE, Prop
 from ..theory.triples import Theory
@@ -73,6 +73,8 @@ INCUMBENT = False
 #: short-lived process, where forking is safe); library calls and tests keep 1.
 WORKERS = 1
 _FIELDS = ("fwd", "bwd", "sync", "mem_param", "mem_act", "keep")
+_LOWER_SCALARS = ("ref", "layer", "flops_c", "flops_r", "bytes_c", "bytes_r", "launches", "grad", "param_c",
+                  "param_r", "act_c", "act_r")  # fmt: skip
 
 
 def _kept_bytes(comm: Comm, m: int) -> float:
@@ -344,6 +346,143 @@ class StageCoster:
         lc = LayerCosts(**out, program_time=result.cost)
         self._costs[key] = lc
         return lc
+
+    # -- lower bounds without a synthesis ---------------------------------------------------------
+    def _lower_terms(self) -> dict[str, np.ndarray]:
+        """Per *defining* triple (one whose last instruction computes a segment anchor of a layer:
+        the node segmentation's one computed node per segment), the ratio-linear coefficients of
+        its :meth:`~hapc.synth.cost.CostModel.triple_time` summed over both directions: per
+        collective primitive the latency counts and byte totals, flops, memory bytes, operator
+        launches, a virtual device's parameters, gradient bytes, parameter and activation bytes.
+        Extracted once per theory (shared by the costers of one cache)."""
+        terms = self._shared.get("lower_terms")
+        if terms is not None:
+            return terms
+        from ..synth.segments import source_like
+        from ..theory.graph import OP
+        from ..theory.triples import static_data
+
+        th = self.theory
+        g = th.graph
+        sources = source_like(g) - static_data(g)
+        anchors = {n.index for n in g if n.kind == OP and n.index not in sources}
+        prims = {p: i for i, p in enumerate(PRIMITIVES)}
+        rows: list[int] = []
+        cols: dict[str, list] = {k: [] for k in _LOWER_SCALARS}
+        comm = {k: [] for k in ("a_one", "a_each", "b_max", "b_rest")}
+        for k, t in enumerate(th.triples):
+            last = t.instrs[-1]
+            if not isinstance(last, Compute) or last.ref not in anchors or last.ref not in self._layer_of:
+                continue
+            c = t.cost
+            vec = {key: [0.0] * len(PRIMITIVES) for key in comm}
+            for x in (*c.fwd_comm, *c.bwd_comm):
+                i = prims[x.primitive]
+                vec["a_each" if x.scaling == "each" else "a_one"][i] += 1.0
+                vec["b_max" if x.scaling == "max" else "b_rest"][i] += x.nbytes
+            for key in comm:
+                comm[key].append(vec[key])
+            cols["ref"].append(last.ref)
+            cols["layer"].append(self._layer_of[last.ref])
+            cols["flops_c"].append(c.fwd_flops.const + c.bwd_flops.const)
+            cols["flops_r"].append(c.fwd_flops.per_ratio + c.bwd_flops.per_ratio)
+            cols["bytes_c"].append(c.fwd_bytes.const + c.bwd_bytes.const)
+            cols["bytes_r"].append(c.fwd_bytes.per_ratio + c.bwd_bytes.per_ratio)
+            cols["launches"].append(_launches(c.fwd_flops, c.fwd_bytes) + _launches(c.bwd_flops, c.bwd_bytes))
+            cols["grad"].append(sum(x.nbytes for x in c.grad_comm))
+            cols["param_c"].append(c.param_bytes.const)
+            cols["param_r"].append(c.param_bytes.per_ratio)
+            cols["act_c"].append(c.act_bytes.const)
+            cols["act_r"].append(c.act_bytes.per_ratio)
+            rows.append(k)
+        terms = {key: np.array(v, dtype=float) for key, v in cols.items()}
+        terms |= {key: np.array(v, dtype=float).reshape(len(rows), len(PRIMITIVES)) for key, v in comm.items()}
+        order = np.argsort(terms["ref"], kind="stable")
+        terms = {key: v[order] for key, v in terms.items()}
+        terms["triple"] = np.array(rows, dtype=np.int64)[order]
+        refs = terms["ref"]
+        terms["starts"] = np.flatnonzero(np.r_[True, refs[1:] != refs[:-1]]) if len(refs) else np.zeros(0, np.int64)
+        self.shardable(2)  # the atoms below
+        terms["atoms"] = np.asarray(self._atoms)[terms["triple"]] if len(refs) else np.zeros(0)
+        self._shared["lower_terms"] = terms
+        return terms
+
+    def lower_costs(self, group: str, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per defining triple (:meth:`_lower_terms`) on ``size`` devices of ``group``, at the even
+        ratios ``r = 1/m`` of :meth:`layer_costs`, without a synthesis: ``(w, g, p)`` with
+
+        * ``w = fwd_comm + fwd_comp + bwd_comm + bwd_comp`` (:meth:`CostModel.triple_time`'s terms:
+          ``alpha + beta nbytes r`` for a padded collective, ``m alpha + beta nbytes`` for a grouped
+          one, ``alpha + beta nbytes`` else, none on one device; ``flops / F + bytes / bw +
+          op_overhead`` per launch, plus a virtual device's inner all-reduce), ``inf`` for a triple
+          the sub-mesh's space does not allow (a sharded extent below ``max(m, 2)``);
+        * ``g``: its bucketed gradient all-reduce (plus the memory price, 0 unless set);
+        * ``p``: its parameter bytes per device (what a replica's all-reduce sends).
+
+        Why they bound :meth:`layer_costs`: on a homogeneous sub-mesh every stage's ``max_j comp_j``
+        is its one type's ``comp``, so a segment's ``fwd + bwd`` (:meth:`_split`) is the sum of its
+        triples' ``w`` and its ``sync`` the sum of their ``g``; every term is non-negative, and each
+        segment (one computed node) holds the triple computing its node, whose ``w``, ``g`` and ``p``
+        are at least the least over the node's allowed defining triples. Memoised per
+        :func:`model_key`."""
+        model = self._model(group, size)
+        key = ("lower", model_key(model))
+        hit = self._shared.get(key)
+        if hit is not None:
+            return hit
+        tm = self._lower_terms()
+        n = len(tm["triple"])
+        if len(model.types) != 1 or not n:  # not a homogeneous sub-mesh: 0 bounds everything
+            out = (np.zeros(n), np.zeros(n), np.zeros(n))
+            self._shared[key] = out
+            return out
+        m = model.m
+        r = model.even_ratios()[0]
+        if m > 1:
+            alpha = np.array([model.ab[p].alpha for p in PRIMITIVES])
+            beta = np.array([model.ab[p].beta for p in PRIMITIVES])
+            comm = (tm["a_one"] + m * tm["a_each"]) @ alpha + (tm["b_max"] * r + tm["b_rest"]) @ beta
+            ar = model.ab["all_reduce"]
+            grad = tm["grad"] * (ar.beta + ar.alpha / model.bucket_bytes)
+        else:
+            comm = grad = np.zeros(n)
+        comp = (
+            (tm["flops_c"] + tm["flops_r"] * r) * model.inv_flops[0]
+            + (tm["bytes_c"] + tm["bytes_r"] * r) * model.inv_mbw[0]
+            + tm["launches"] * model.op_time[0]
+        )
+        params = tm["param_c"] + tm["param_r"] * r
+        if model.inner[0]:
+            comp = comp + params * model.inner[0]
+        if model.memory_price:
+            mem = params * model.memory_factor + tm["act_c"] + tm["act_r"] * r
+            grad = grad + model.memory_price * mem / model.types[0].memory
+        w = np.where(tm["atoms"] >= max(m, 2), comm + comp, np.inf)
+        out = (w, grad, params)
+        self._shared[key] = out
+        return out
+
+    def lower_per_micro(self, group: str, size: int, num_micro: int, per_byte: float = 0.0) -> np.ndarray:
+        """A lower bound, per layer, of :meth:`layer_costs`' ``fwd + bwd + (sync + extra) / B``
+        (what :class:`~hapc.pipeline.dp.PipelineDP` charges per micro-batch) without a synthesis:
+        per computed node the least ``w + (g + p per_byte) / B`` over its defining triples
+        (:meth:`lower_costs`), summed over the layer's nodes. ``per_byte``: seconds per parameter
+        byte of the all-reduce across data-parallel replicas (``extra`` of
+        :func:`~hapc.pipeline.plan_pipeline`; 0 without replicas). A kind synthesized already (for
+        another candidate of the same theory) gives its synthesized charge instead: still a lower
+        bound (it is the charge), and a tighter one."""
+        lc = self._costs.get(model_key(self._model(group, size)))
+        if lc is not None:  # synthesized already (by another candidate): the charge itself, as the DP adds it
+            return lc.fwd + lc.bwd + (lc.sync + lc.mem_param / self.memory_factor * per_byte) / num_micro
+        tm = self._lower_terms()
+        out = np.zeros(len(self.layers))
+        if not len(tm["triple"]):
+            return out
+        w, g, p = self.lower_costs(group, size)
+        v = w + (g + p * per_byte) / num_micro
+        least = np.minimum.reduceat(v, tm["starts"])
+        least = np.where(np.isfinite(least), least, 0.0)  # no allowed defining triple: bound 0
+        return np.bincount(tm["layer"][tm["starts"]].astype(np.int64), weights=least, minlength=len(self.layers))
 
     def stage(self, lo: int, hi: int, group: str, size: int) -> dict[str, float]:
         """Time and memory of layers ``lo..hi-1`` on ``size`` devices of ``group``."""

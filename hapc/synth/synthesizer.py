@@ -29,6 +29,15 @@ program has found the optimum (every state that could lead to a program within i
 kept); one that finds none proves the optimum dearer and costs little, as its bound prunes hard.
 Tiny T5 on ``hap-testbed:8``: 82 s -> 4 s, the same program.
 
+**Skipping the deepening.** Where the first pass already found the optimum (the usual case on
+homogeneous sub-meshes: every stage cost of ``hapc synth`` ViT-24 on hap-testbed), the deepening
+passes below ``U`` all come back empty and the pass at ``U`` only confirms it. So one exact pass at
+``U`` runs first, capped at :data:`DIRECT_FACTOR` times the DP states stepped so far: where it
+completes without a cheaper program, ``U`` is proven optimal and the first pass's program is
+returned -- what the deepening passes and the pass at ``U`` return then. Where it finds a
+cheaper one or hits its cap, the segment caches are restored and the deepening passes run as
+before, so the program returned (among equally cheap ones too) never depends on the attempt.
+
 **A time limit (off by default).** The exact passes may still take long where the lower bound is
 far below the optimum (T5-small at its published size: the bound sees compute only, the optimum
 is mostly communication), and a single segment's search can explode (tiny Swin's first segment,
@@ -531,6 +540,8 @@ class _Synth:
         self.beam = 0  # > 0: keep only that many cheapest states per table (the first pass)
         self.dead_end = -1  # the last segment some states could not get past
         self.deadline: float | None = None  # time.monotonic() at which every search gives up (OutOfTime)
+        self.work = 0  # DP states stepped across a segment (the tables' sizes, summed), in every pass
+        self.cap: float = math.inf  # a pass that steps more states than this stops (_TooMuch)
         # segments with equal signatures have equal triples and costs (what lets their searches be
         # shared), so equal bounds, bit for bit: each is computed once, on its first segment
         by_signature: dict[int, float] = {}
@@ -640,6 +651,9 @@ class _Synth:
         a tensor that is needed later and made by no later segment can be dropped."""
         if self.deadline is not None and time.monotonic() > self.deadline:
             raise _OutOfTime
+        self.work += len(table)
+        if self.work > self.cap:
+            raise _TooMuch
         mk = self.masks[seg.index]
         nxt: dict[tuple[int, int], tuple] = {}
         for (live, tokens), (cost, back) in table.items():
@@ -758,6 +772,18 @@ class _Synth:
 
 
 _OutOfTime = OutOfTime  # the deadline of :func:`synthesize_program` passed (in any of its searches)
+
+
+class _TooMuch(Exception):
+    """A pass of :func:`synthesize_program` stepped more DP states than its ``cap`` allowed."""
+
+
+#: the direct pass at ``U`` (see :func:`synthesize_program`) may step this many times the first
+#: pass's DP states (but at least :data:`DIRECT_FLOOR`) before it gives way to the deepening passes
+DIRECT_FACTOR = 4.0
+DIRECT_FLOOR = 20_000
+#: try the direct pass at all (False: the deepening passes alone, as before)
+DIRECT = True
 
 _SEED = object()  # the back pointer of a whole incumbent program (data-parallel, or the fallback)
 _SCOPED_DEADLINE: ContextVar[float | None] = ContextVar("hapc_synth_deadline", default=None)
@@ -935,6 +961,16 @@ def synthesize_program(
     floor, proven = run.suffix[0], True
     if best is None and fallback:
         run.deadline = None  # never return without a program
+    first_work = run.work
+    deepens = best is not None and 0 < run.suffix[0] * GROWTH < best[0] / GROWTH**0.5  # passes below U
+    if beam and DIRECT and deadline is None and deepens and _direct(run, best[0]):
+        # the direct pass at U proved nothing cheaper than U exists: every deepening pass (bounds
+        # below U) would have found nothing, and the pass at U nothing cheaper, so U's program is
+        # what the passes below return (see "Skipping the deepening" in the module docstring)
+        bounds.append(best[0])
+        beam = 0  # no exact pass left to run
+        found = None
+        first_work = -1
     try:
         if beam:
             # deepen the bound from the lower bound towards U (or, when the beam died out, up to
@@ -953,7 +989,7 @@ def synthesize_program(
                     floor = bound  # nothing within this bound: the optimum costs more
                 bound *= GROWTH
             run.upper = best[0] if best is not None else math.inf
-        if found is None:
+        if found is None and first_work >= 0:
             run.block_cache = {}
             bounds.append(run.upper)
             found = run.solve(required=best is None)
@@ -970,6 +1006,28 @@ def synthesize_program(
         floor = best[0] if proven else floor
         return SynthResult(seed.parts, best[0], seed.segment_costs, run.stats, run.searches, bounds, proven, floor)
     return _result(space, run, best, bounds, proven, best[0] if proven else floor)
+
+
+def _direct(run: _Synth, upper: float) -> bool:
+    """One exact pass at ``upper`` (the first pass's cost ``U``), capped at :data:`DIRECT_FACTOR`
+    times the DP states the run has stepped so far: True where it completed and found no program
+    cheaper than ``upper``, i.e. ``U`` is the optimum. Otherwise (a cheaper program, or the cap
+    hit) the run's segment caches are put back as they were, so the deepening passes that follow
+    run exactly as they would have without it (the same caches, the same tie-breaks)."""
+    saved = (dict(run.seg_cache), dict(run.exit_cache), run.searches)
+    run.upper, run.block_cache = upper, {}
+    run.cap = run.work + max(DIRECT_FLOOR, DIRECT_FACTOR * run.work)
+    try:
+        got = run.solve(required=False)
+        if got is None or got[0] >= upper:
+            return True
+    except _TooMuch:
+        pass
+    finally:
+        run.cap = math.inf
+    run.seg_cache, run.exit_cache, run.searches = saved
+    run.upper, run.block_cache = math.inf, {}
+    return False
 
 
 def _widths(beam: int) -> list[int]:
