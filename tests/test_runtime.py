@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from harness import assert_close, make_optimizer, small_buckets
+from harness import assert_close, make_optimizer, one_device_grads, small_buckets
 
 import hapc
 import hapc.collectives
@@ -243,6 +243,32 @@ def test_gradient_accumulation_over_backward_passes(how, no_sync, buckets, monke
     want = _single_accumulate(3, how)
     for res in got:
         assert_close(res, want, F64, "accumulated")
+
+
+def _bucketed_grads(rank, world, cluster, plan):
+    model, inputs = models.load("gpt", dtype=F64)
+    m = hapc.compile(model, cluster, inputs, plan=plan)
+    m(*inputs).backward()
+    sizes = [sum(p.numel() * p.element_size() for p in b) for b in m._buckets]
+    return sizes, max(p.numel() * p.element_size() for b in m._buckets for p in b), m.full_gradients()
+
+
+def test_gradient_buckets_hold_a_share_of_the_synced_bytes(monkeypatch):
+    """Only the last bucket's all-reduce waits after the backward, so where the gradients fit one
+    big bucket they are split: after the first, no bucket holds more than 1 / BUCKETS_PER_SYNC of
+    the synced bytes beyond the parameter that closed it. Three uneven ranks still sum every
+    gradient exactly as one device computes it (float64, a GPT's odd-sized parameters)."""
+    import hapc.codegen.module as module
+
+    monkeypatch.setattr(module, "FIRST_BUCKET_BYTES", 64)  # the share, not the first cap, sets the sizes
+    cluster = cluster_of([5e9, 3e9, 2e9])
+    plan = _plan("gpt", cluster, baseline="dp-cp")
+    _, want = one_device_grads("gpt", dtype=F64)
+    for sizes, largest, grads in run_distributed(_bucketed_grads, 3, cluster, plan):
+        share = sum(sizes) // module.BUCKETS_PER_SYNC
+        assert len(sizes) >= module.BUCKETS_PER_SYNC, sizes
+        assert all(size < share + largest for size in sizes[1:]), (sizes, share)
+        assert_close(grads, want, F64, "gradients")
 
 
 # -- errors ---------------------------------------------------------------------------------------
