@@ -249,8 +249,8 @@ def _check_ratios(ratios: Sequence[float], model: CostModel) -> tuple[float, ...
 class KindEstimate:
     """One plan kind as :func:`choose_plan` priced it.
 
-    ``status``: ``"chosen"``, ``"feasible"`` (priced, not the least), ``"pruned"`` (a pipeline whose
-    step time is bounded below by one already priced: not planned), ``"infeasible"`` (it cannot run
+    ``status``: ``"chosen"``, ``"feasible"`` (priced, not the least), ``"pruned"`` (a pipeline or
+    segmented plan whose step time is bounded below by one already priced: not planned), ``"infeasible"`` (it cannot run
     on this cluster: memory, too few layers), ``"not applicable"`` (not considered: ``reason`` says
     why) or ``"overridden"`` (the caller fixed the kind). ``time``: predicted seconds per step for
     the global batch (``math.inf`` unless priced)."""
@@ -566,7 +566,11 @@ def choose_plan(
                 out.append(KindEstimate(kind, "not applicable", reason=blocker))
                 continue
             spmd_time = plans["spmd"].time if "spmd" in plans else math.inf
-            for est, splan in _price_segmented(theory, cluster, theory_options, synth_options, spmd_time):
+            least = min((k.time for k in out if k.status == "feasible"), default=math.inf)
+            priced = _price_segmented(
+                theory, cluster, theory_options, synth_options, spmd_time, above=least if prune else None
+            )
+            for est, splan in priced:
                 out.append(est)
                 if splan is not None:
                     plans[est.kind] = splan
@@ -750,18 +754,41 @@ def _price_pipelines(
     return [x for x in slots if x is not None]
 
 
+def segmented_floor(cluster: Cluster, cuts: int, precision: str | None = None) -> float:
+    """A lower bound on the step time of every segmented plan with ``cuts`` cuts on ``cluster``,
+    without deriving or synthesizing a segment: ``cuts x min(alpha_all_reduce, 2 alpha_all_to_all)``.
+    The time is ``Σ_k T_k + Σ_cuts (fwd + bwd)`` (:attr:`hapc.segmented.SegmentedPlan.time`) with
+    every ``T_k >= 0``, and each boundary (:meth:`hapc.segmented.Boundary.seconds`) is either a
+    replicated output (its backward one all-reduce, ``>= alpha_all_reduce``) or an all-to-all each
+    way (``>= alpha_all_to_all`` each), on a cluster of more than one device (segments need two
+    device groups)."""
+    from .synth.cost import CostModel
+
+    model = CostModel(cluster, precision=precision)
+    if model.m <= 1:
+        return 0.0
+    return cuts * min(model.ab["all_reduce"].alpha, 2 * model.ab["all_to_all"].alpha)
+
+
 def _price_segmented(
     theory: Any,
     cluster: Cluster,
     theory_options: dict[str, Any],
     synth_options: dict[str, Any],
     spmd_time: float = math.inf,
+    above: float | None = None,
 ) -> list[tuple[KindEstimate, Any]]:
     """Per-segment ratios (HAP §5.2) at the candidate cut sets (:func:`hapc.segmented.candidate_cuts`):
     one ``(estimate, plan or None)`` each, as the pipeline's micro-batch counts only those priced. Two
     segments are always priced; three only where a two-segment plan beat ``spmd_time`` (the SPMD
     plan's, ``inf`` when not priced): each segment's synthesis costs about a whole-model one's share,
-    and each further cut adds two all-to-alls."""
+    and each further cut adds two all-to-alls.
+
+    ``above`` (exact pruning; None: off): the least time of the kinds priced before. A cut set whose
+    :func:`segmented_floor` (the boundaries' latencies alone) is not below it is listed ``"pruned"``
+    without splitting, deriving or synthesizing its segments: its time is at least ``above``, so it
+    cannot be chosen (ties go to the kinds priced first). A pruned two-segment set opens no
+    three-segment one: their floor (two cuts) is no lower, so they are no better either."""
     from .segmented import candidate_cuts, plan_segmented
 
     out: list[tuple[KindEstimate, Any]] = []
@@ -776,6 +803,14 @@ def _price_segmented(
             continue
         t0 = time.perf_counter()
         name = f"segmented ({label})"
+        floor = segmented_floor(cluster, len(cuts), theory_options.get("precision"))
+        if above is not None and floor >= above:
+            why = (
+                f"not priced: its step time is at least {floor * 1e3:.4g} ms (the latencies of its {len(cuts)} "
+                f"boundary all-to-all(s) alone), no better than the {above * 1e3:.4g} ms already priced"
+            )
+            out.append((KindEstimate(name, "pruned", reason=why, seconds=time.perf_counter() - t0), None))
+            continue
         try:
             splan = plan_segmented(theory.graph, cluster, cuts, theory_options=recorded, synth_options=synth_options)
         except HapcError as exc:  # InfeasibleError: a segment's program does not fit

@@ -143,3 +143,26 @@ def test_the_direct_pass_skips_the_deepening_where_the_first_pass_is_optimal(mon
     fast = synthesize_program(space, cm, ratios, incumbent=False)
     assert len(slow.bounds) >= 2 and fast.bounds == [fast.cost]
     assert fast.parts == slow.parts and fast.cost == slow.cost
+
+
+def test_segmented_plans_are_pruned_by_their_boundary_latencies():
+    """On hap-testbed:24 (two device groups) a boundary's all-to-alls cost more latency than the best
+    pipeline takes (the segments' own programs left out): the two-segment cut sets are listed
+    pruned, not priced; without pruning they are priced at no less than the floor, above the chosen
+    time, and every entry priced both ways and the choice are the same."""
+    from hapc.planner import choose_plan, segmented_floor
+
+    model, inputs = load("mlp", batch=8)
+    cluster = Cluster.load("hap-testbed:24")
+    pruned = choose_plan(model, cluster, inputs, num_micro=4)
+    full = choose_plan(model, cluster, inputs, num_micro=4, prune=False)
+    seg = [k for k in pruned.kinds if k.plan_kind == "segmented"]
+    assert seg and all(k.status == "pruned" and "boundary" in k.reason for k in seg), seg
+    assert pruned.chosen.kind == full.chosen.kind and pruned.time == full.time
+    floor = segmented_floor(cluster, 1)
+    assert floor >= pruned.time
+    priced = [k for k in full.kinds if k.plan_kind == "segmented" and k.status == "feasible"]
+    assert priced and all(k.time >= floor for k in priced)
+    others = [k for k in full.kinds if k.plan_kind != "segmented"]
+    for p, f in zip([k for k in pruned.kinds if k.plan_kind != "segmented"], others, strict=True):
+        assert p.kind == f.kind and (p.status == "pruned" or (p.status, p.time) == (f.status, f.time))
