@@ -332,7 +332,7 @@ class PipelineDP:
                 continue
             vals = self._values(a, m, tau, G, bs)
             p = a["p"][m]
-            starts = np.flatnonzero(np.r_[True, p[1:] != p[:-1]])
+            starts = np.flatnonzero(np.concatenate(([True], p[1:] != p[:-1])))  # (np.r_ costs 0.1 ms a call)
             G[i, p[starts].astype(int), : self.Kr + 1] = np.minimum.reduceat(vals, starts, axis=0)
         return G
 
