@@ -370,18 +370,24 @@ class StageCoster:
         rows: list[int] = []
         cols: dict[str, list] = {k: [] for k in _LOWER_SCALARS}
         comm = {k: [] for k in ("a_one", "a_each", "b_max", "b_rest")}
+        none = [0.0] * len(PRIMITIVES)  # (np.array copies it: one shared list for the triples without a collective)
+        wanted = anchors & self._layer_of.keys()
         for k, t in enumerate(th.triples):
             last = t.instrs[-1]
-            if not isinstance(last, Compute) or last.ref not in anchors or last.ref not in self._layer_of:
+            if type(last) is not Compute or last.ref not in wanted:
                 continue
             c = t.cost
-            vec = {key: [0.0] * len(PRIMITIVES) for key in comm}
-            for x in (*c.fwd_comm, *c.bwd_comm):
-                i = prims[x.primitive]
-                vec["a_each" if x.scaling == "each" else "a_one"][i] += 1.0
-                vec["b_max" if x.scaling == "max" else "b_rest"][i] += x.nbytes
-            for key in comm:
-                comm[key].append(vec[key])
+            if c.fwd_comm or c.bwd_comm:
+                vec = {key: [0.0] * len(PRIMITIVES) for key in comm}
+                for x in (*c.fwd_comm, *c.bwd_comm):
+                    i = prims[x.primitive]
+                    vec["a_each" if x.scaling == "each" else "a_one"][i] += 1.0
+                    vec["b_max" if x.scaling == "max" else "b_rest"][i] += x.nbytes
+                for key in comm:
+                    comm[key].append(vec[key])
+            else:
+                for key in comm:
+                    comm[key].append(none)
             cols["ref"].append(last.ref)
             cols["layer"].append(self._layer_of[last.ref])
             cols["flops_c"].append(c.fwd_flops.const + c.bwd_flops.const)
