@@ -426,6 +426,8 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 
 
 # -- hapc profile -------------------------------------------------------------------------------
+MARGINAL_GAP = 5e-4  # --marginal: seconds of computation between timed collectives (benchmarks/fidelity.py's GAP)
+MARGINAL_CALLS = 4  # --marginal: collectives per timed burst (fidelity's CALLS)
 
 
 def _profile_job(rank: int, world: int, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -447,6 +449,8 @@ def cmd_profile(ns: argparse.Namespace) -> int:
     if any(p not in ("bf16", "fp16") for p in half):
         raise HapcError(f"--half takes bf16, fp16 or both separated by a comma (none: neither), got {ns.half!r}")
     kwargs = {"sizes": sizes, "reps": ns.reps, "gemm": ns.gemm, "half": half, "name": ns.name, "out": ns.out}
+    if ns.marginal:  # as benchmarks/fidelity.py profiles: what each collective adds to a program
+        kwargs |= {"gap": MARGINAL_GAP, "marginal": True, "calls": MARGINAL_CALLS}
     if ns.speeds and ns.local is None:
         raise HapcError("--speeds emulates device speeds on local processes: give it with --local N")
     if ns.local is not None:
@@ -621,6 +625,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--speeds",
         metavar="S,S,...",
         help="with --local: each rank's speed as a fraction of one core, e.g. 1,0.5 (emulated by CPU quota)",
+    )
+    f.add_argument(
+        "--marginal",
+        action="store_true",
+        help="time each collective by what it adds between bursts of computation (0.5 ms, 4 calls per burst), "
+        "as a program meets it, instead of alone after a barrier: closer measured step times on shared CPU hosts",
     )
     f.add_argument("--json", metavar="PATH", help="also write the raw measurements")
     f.set_defaults(fn=cmd_profile)

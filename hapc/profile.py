@@ -521,5 +521,9 @@ def profile(
     raw = {
         "devices": [r.__dict__ for r in reports],
         "collectives": {p: {"alpha": a, "beta": b, "points": pts} for p, (a, b, pts) in collectives.items()},
+        # how the collectives were timed (measure_collectives): alone after a barrier, after gap
+        # seconds of computation, or what calls add between bursts of computation
+        "collective_timing": {"method": "marginal" if marginal else "gap" if gap > 0 else "barrier", "gap": gap}
+        | ({"calls": calls} if marginal else {}),
     }
     return cluster, raw

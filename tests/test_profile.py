@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -106,6 +107,17 @@ def test_cli_profile_local_writes_a_cluster_file(tmp_path, capsys):
     assert Cluster.load(str(out)).num_devices == 2
     assert Cluster.load(str(out)).groups[0].flops_bf16 > 0  # --half bf16,fp16 by default
     assert "all_reduce" in capsys.readouterr().out
+
+
+def test_cli_profile_marginal_times_collectives_between_bursts(tmp_path):
+    """``--marginal`` profiles as benchmarks/fidelity.py does (what a collective adds to bursts of
+    computation); the raw measurements say how the collectives were timed."""
+    raw = tmp_path / "raw.json"
+    argv = ["profile", "--local", "2", "--reps", "1", "--gemm", "64", "--sizes", "1KiB,64KiB", "--half", "none"]
+    assert main([*argv, "--marginal", "--json", str(raw)]) == 0
+    assert json.loads(raw.read_text())["collective_timing"] == {"method": "marginal", "gap": 5e-4, "calls": 4}
+    assert main([*argv, "--json", str(raw)]) == 0
+    assert json.loads(raw.read_text())["collective_timing"] == {"method": "barrier", "gap": 0.0}
 
 
 def test_cli_profile_outside_torchrun_says_how_to_start(monkeypatch, capsys):
