@@ -222,3 +222,23 @@ def test_the_fallback_is_found_where_the_first_pass_dead_ends() -> None:
     chosen = {k for part in result.parts for k in part}
     assert chosen and chosen <= replicated_triples(theory)
     assert not any(isinstance(ins, Collective) for k in chosen for ins in theory.triples[k].instrs)
+
+
+def test_pipeline_pricing_keeps_to_the_time_limit() -> None:
+    """``time_limit`` bounds the pipeline's stage searches too (``searches_until``): with a limit
+    already spent, every stage program is the all-replicated fallback, so the pipeline is priced
+    above the searched one; a later call without a limit is not handed those fallbacks (the stage
+    costs are not cached across limits)."""
+    from hapc import models
+    from hapc.planner import choose_plan
+
+    model, batch = models.load("mlp")
+
+    def pipeline_time(**synth: Any) -> float:
+        choice = choose_plan(model, "local-cpu:3", batch, kinds=("pipeline",), num_micro=2, synth_options=synth)
+        return choice.chosen.time
+
+    free = pipeline_time()
+    limited = pipeline_time(time_limit=1e-9)
+    assert limited > free * (1 + 1e-6)
+    assert pipeline_time() == free
