@@ -34,6 +34,8 @@ import hapc
 from hapc import emulate
 from hapc.cluster import Cluster
 from hapc.profile import (
+    MARGINAL_CALLS,
+    MARGINAL_GAP,
     DeviceReport,
     build_cluster,
     device_memory,
@@ -46,8 +48,8 @@ from hapc.profile import (
 )
 from hapc.testing import run_distributed
 
-GAP = 5e-4  # seconds of computation before each profiled collective, as in a program
-CALLS = 4  # collectives per timed loop of the marginal measurement (hapc.profile.measure_collectives)
+GAP = MARGINAL_GAP  # seconds of computation before each profiled collective, as in a program (hapc profile --marginal)
+CALLS = MARGINAL_CALLS  # collectives per timed loop of the marginal measurement (hapc.profile.measure_collectives)
 SLOW_LINK = {"bandwidth": "10 MB/s", "latency": "1 ms"}
 QUICK_PROFILE = {"sizes": (2**10, 2**16, 2**20), "reps": 3, "gemm": 128, "window": 0.005}
 #: CPU weight of the benchmark's processes against the host's other work (cgroup v1 ``cpu.shares``,

@@ -426,8 +426,6 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 
 
 # -- hapc profile -------------------------------------------------------------------------------
-MARGINAL_GAP = 5e-4  # --marginal: seconds of computation between timed collectives (benchmarks/fidelity.py's GAP)
-MARGINAL_CALLS = 4  # --marginal: collectives per timed burst (fidelity's CALLS)
 
 
 def _profile_job(rank: int, world: int, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -450,6 +448,8 @@ def cmd_profile(ns: argparse.Namespace) -> int:
         raise HapcError(f"--half takes bf16, fp16 or both separated by a comma (none: neither), got {ns.half!r}")
     kwargs = {"sizes": sizes, "reps": ns.reps, "gemm": ns.gemm, "half": half, "name": ns.name, "out": ns.out}
     if ns.marginal:  # as benchmarks/fidelity.py profiles: what each collective adds to a program
+        from .profile import MARGINAL_CALLS, MARGINAL_GAP
+
         kwargs |= {"gap": MARGINAL_GAP, "marginal": True, "calls": MARGINAL_CALLS}
     if ns.speeds and ns.local is None:
         raise HapcError("--speeds emulates device speeds on local processes: give it with --local N")

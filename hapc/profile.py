@@ -250,6 +250,12 @@ def _primitive(name: str, x_bytes: int, world: int, device: torch.device) -> Cal
     raise HapcError(f"unknown primitive {name!r}")
 
 
+#: ``hapc profile --marginal`` (and the benchmarks that profile so): seconds of computation between
+#: timed collectives, and collectives per timed loop (:func:`measure_collectives`)
+MARGINAL_GAP = 5e-4
+MARGINAL_CALLS = 4
+
+
 def _runtime_call(name: str, x_bytes: int, world: int, device: torch.device) -> Callable[[], Any]:
     """A closure running the runtime's own implementation of ``name`` (:mod:`hapc.collectives.ops`,
     padded variants, as a program calls them) on ``x_bytes`` in the cost model's convention; the
