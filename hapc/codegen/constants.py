@@ -45,6 +45,7 @@ from torch import nn
 
 from ..errors import HapcError
 from ..theory.program_key import program_key
+from .original import guard_suspended
 
 __all__ = ["ConstantInputs", "check_constant_inputs", "constant_inputs"]
 
@@ -190,9 +191,8 @@ def untouched(model: nn.Module, mode: bool) -> Iterator[None]:
     may be stale: only shapes are read)."""
     modes = [(m, m.training) for m in model.modules()]
     consts = {k: v for k, v in vars(model).items() if k.startswith("_tensor_constant")}
-    guard = model.__dict__.pop("_hapc_guard", None)
     try:
-        with torch.random.fork_rng(devices=[]):
+        with guard_suspended(model), torch.random.fork_rng(devices=[]):
             nn.Module.train(model, mode)  # the class's: the guard's model.train would switch the module too
             yield
     finally:
@@ -201,8 +201,6 @@ def untouched(model: nn.Module, mode: bool) -> Iterator[None]:
         for name in [k for k in vars(model) if k.startswith("_tensor_constant")]:
             delattr(model, name)
         vars(model).update(consts)
-        if guard is not None:
-            model.__dict__["_hapc_guard"] = guard
 
 
 def constant_inputs(model: nn.Module, example_inputs: Any, graph: Any, **options: Any) -> ConstantInputs:

@@ -254,6 +254,7 @@ class OddBatches:
 
     def _trace(self, bound: dict[str, Any]) -> tuple[RefGraph, dict[int, Any]]:
         from ..theory import trace
+        from .original import guard_suspended
 
         old = self.m.theory.graph
         # only shapes are read, but on the real device: tensors the forward creates (positions, masks)
@@ -261,7 +262,10 @@ class OddBatches:
         example = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in bound.items()}
         # how hapc.compile traced it (leaf_modules, capture, loss), where it recorded that
         opts = {"capture": old.capture, "loss": old.loss_leaf, **self.m.__dict__.get("_trace_options", {})}
-        new = trace(old.module, example, **opts)
+        # the model may be stale by now (the module trained its own copy): a capture that calls it
+        # (torch.export) would trip its guard; only shapes are read
+        with guard_suspended(old.module):
+            new = trace(old.module, example, **opts)
         if len(new) != len(old):
             raise HapcError(
                 f"at these input shapes the model computes another graph ({len(new)} operations, {len(old)} at the "

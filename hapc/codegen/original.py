@@ -187,6 +187,18 @@ class Guard:
         owner.train(now[0])
 
 
+@contextlib.contextmanager
+def guard_suspended(model: nn.Module) -> Iterator[None]:
+    """hapc's own captures of ``model`` after compile (another batch size, other constant inputs)
+    call it while it may be stale: only shapes and control flow are read, so its guard stands aside."""
+    guard = model.__dict__.pop(_ATTR, None)
+    try:
+        yield
+    finally:
+        if guard is not None:
+            model.__dict__[_ATTR] = guard
+
+
 def _no_guard() -> None:
     return None
 
