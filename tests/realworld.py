@@ -288,6 +288,58 @@ def timm_efficientformer(batch: int = 4) -> tuple[nn.Module, tuple]:
     return WithLoss(m), _images(batch, 64, 10)
 
 
+def bloom(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
+    """BLOOM: ALiBi position biases (a per-head slope times the key position, built from the
+    attention mask) instead of position embeddings; an embedding layer norm."""
+    t = _hf()
+    cfg = t.BloomConfig(n_layer=2, hidden_size=32, n_head=4, vocab_size=100, hidden_dropout=0.0,
+                        attention_dropout=0.0)  # fmt: skip
+    ids = _tokens(batch, seq, cfg.vocab_size)
+    return t.BloomForCausalLM(cfg), dict(input_ids=ids, labels=ids)
+
+
+def gpt_neox(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
+    """GPT-NeoX (Pythia): rotary embeddings on a quarter of each head, attention and MLP in
+    parallel off one residual (``use_parallel_residual``), one fused QKV projection."""
+    t = _hf()
+    cfg = t.GPTNeoXConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                          vocab_size=100, hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+    ids = _tokens(batch, seq, cfg.vocab_size)
+    return t.GPTNeoXForCausalLM(cfg), dict(input_ids=ids, labels=ids)
+
+
+def qwen2_moe(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
+    """Qwen2-MoE: top-2 of 4 routed experts plus a shared expert behind a sigmoid gate
+    (``experts_implementation="batched_mm"``, as :func:`mixtral`: no float64 grouped_mm on CPU)."""
+    t = _hf()
+    cfg = t.Qwen2MoeConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                           num_experts=4, num_experts_per_tok=2, vocab_size=100,
+                           experts_implementation="batched_mm")  # fmt: skip
+    ids = _tokens(batch, seq, cfg.vocab_size)
+    return t.Qwen2MoeForCausalLM(cfg), dict(input_ids=ids, labels=ids)
+
+
+def albert(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
+    """ALBERT: one transformer layer's weights shared by every layer (one parameter, a gradient
+    summed over its uses) and a factorized embedding (16 wide, projected to 32)."""
+    t = _hf()
+    cfg = t.AlbertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                         embedding_size=16, vocab_size=100, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0)  # fmt: skip
+    ids = _tokens(batch, seq, cfg.vocab_size)
+    return t.AlbertForMaskedLM(cfg), dict(input_ids=ids, labels=ids)
+
+
+def convnext_hf(batch: int = 4) -> tuple[nn.Module, dict]:
+    """ConvNeXt: depthwise 7x7 convolutions, layer norm over channels in channels-last layout
+    (permutes around every block) and a learned per-channel layer scale."""
+    t = _hf()
+    cfg = t.ConvNextConfig(hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=10)
+    pixels = torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    return t.ConvNextForImageClassification(cfg), dict(pixel_values=pixels, labels=torch.arange(batch) % 10)
+
+
 #: name -> (factory, the library it needs)
 MODELS: dict[str, tuple[Callable[..., tuple[nn.Module, Any]], str]] = {
     "gpt2": (gpt2, "transformers"),
@@ -313,6 +365,11 @@ MODELS: dict[str, tuple[Callable[..., tuple[nn.Module, Any]], str]] = {
     "modernbert": (modernbert, "transformers"),
     "tv-densenet": (tv_densenet, "torchvision"),
     "timm-efficientformer": (timm_efficientformer, "timm"),
+    "bloom": (bloom, "transformers"),
+    "gpt-neox": (gpt_neox, "transformers"),
+    "qwen2-moe": (qwen2_moe, "transformers"),
+    "albert": (albert, "transformers"),
+    "convnext-hf": (convnext_hf, "transformers"),
 }
 
 

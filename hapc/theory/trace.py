@@ -353,8 +353,13 @@ def trace(
     if capture not in CAPTURES:
         raise TraceError(f"capture must be one of {CAPTURES}, got {capture!r}")
     if capture == "export":
-        with _no_state_assignment(), _bincount_with_minlength_as_one_hot():
-            return _trace_export(model, example_inputs, loss)
+        try:
+            with _no_state_assignment(), _bincount_with_minlength_as_one_hot():
+                return _trace_export(model, example_inputs, loss)
+        except TraceError as export_error:
+            if hint := _experts_loop_hint(model, export_error):
+                raise TraceError(f"{export_error}\n  {hint}") from export_error
+            raise
     buffers = {k: b.detach().clone() for k, b in model.named_buffers() if b.device.type != "meta"}
     try:
         with (
@@ -371,7 +376,11 @@ def trace(
             with _no_state_assignment(), _bincount_with_minlength_as_one_hot():
                 return _trace_export(model, example_inputs, loss)
         except TraceError as export_error:
-            raise TraceError(f"{fx_error}\n  (torch.export could not capture it either: {export_error})") from fx_error
+            hint = _experts_loop_hint(model, export_error)
+            raise TraceError(
+                f"{fx_error}\n  (torch.export could not capture it either: {export_error})"
+                + (f"\n  {hint}" if hint else "")
+            ) from fx_error
 
 
 @contextlib.contextmanager
@@ -398,6 +407,21 @@ def _bincount_with_minlength_as_one_hot() -> Any:
         yield
     finally:
         torch.bincount = original
+
+
+def _experts_loop_hint(model: nn.Module, exc: TraceError) -> str | None:
+    """The fix, where a Hugging Face mixture of experts cannot be captured because it runs its
+    experts in a Python loop over the experts the batch routes to (``experts_implementation=
+    "eager"``: ``for expert_idx in expert_hit``, a loop whose length is a tensor's value)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_experts_implementation", None) != "eager" or "data-dependent" not in str(exc):
+        return None
+    return (
+        f"{type(model).__name__} runs its experts in a Python loop over the experts each batch routes to "
+        '(experts_implementation="eager"): build it with experts_implementation="grouped_mm" '
+        '(transformers\' default; float32 / bfloat16 only on CPU) or "batched_mm", which hapc captures '
+        "as one static graph"
+    )
 
 
 def _mutation_error(exc: TraceError) -> bool:
