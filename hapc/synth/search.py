@@ -46,6 +46,10 @@ from ..theory.props import DONE, Prop
 from ..theory.triples import Theory, Triple
 from .cost import TripleTime
 
+#: share the time-independent structure of equal searches (and its memos) across the searches of a
+#: theory (:meth:`SegmentSearch.__init__`); False: each search builds its own
+SHARE_STRUCTURE = True
+
 
 @dataclass
 class SearchStats:
@@ -108,55 +112,94 @@ class SegmentSearch:
     ):
         self.theory, self.ids, self.ntypes, self.progress = theory, list(triples), ntypes, progress
         self.deadline = deadline
+        self.times = list(times)
+        self.stats = SearchStats()
+        # the structure (bit numbering, masks, consumers, what is dead) depends on the triples, the
+        # start, the protected properties, the nodes and the start tokens, not on the times: shared
+        # by every search of the same theory with equal ones (the sub-mesh sizes of a pipeline)
+        skeletons = theory.__dict__.setdefault("_search_skeletons", {}) if SHARE_STRUCTURE else {}
+        key = (tuple(self.ids), start, protected, tuple(nodes), start_tokens)
+        skel = skeletons.get(key)
+        if skel is None:
+            skel = skeletons[key] = self._structure(start, protected, nodes, start_tokens)
+        self._shared_bits = True
+        (self.bits, self.tok_bits, self.pre, self.post, self.tok, self.key, self.defines, self.prop_of,
+         self.tok_of, self.start, self.start_tokens, self.protected, self.consumers, self.free, self._reach,
+         self.nodes, self.node_bit, self.all_nodes, self.prop_cover, self._alive_memo, self._cover_memo,
+         self._cand_memo) = skel  # fmt: skip
+        self.pure = [not (tt.has_fwd_comm or tt.has_bwd_comm) for tt in self.times]
+        self._heuristic_tables()
+
+    def _structure(
+        self, start: frozenset[Prop], protected: frozenset[Prop], nodes: Sequence[int], start_tokens: frozenset[tuple]
+    ) -> tuple:
+        """The time-independent part of a search (see :meth:`__init__`), as a tuple."""
+        theory = self.theory
+        self._shared_bits = False
         self.bits: dict[Prop, int] = {}
         self.tok_bits: dict[tuple, int] = {}
         for p in start | protected:
             self._bit(p)
         for tok in start_tokens:
             self._tok(tok)
-        self.pre, self.post, self.tok, self.key, self.pure, self.defines = [], [], [], [], [], []
-        self.times = list(times)
-        for k, tid in enumerate(self.ids):
+        pre, post, toks, key, defines = [], [], [], [], []
+        for tid in self.ids:
             t: Triple = theory.triples[tid]
-            self.pre.append(self._mask(t.pre))
-            self.post.append(self._mask(t.post))
+            pre.append(self._mask(t.pre))
+            post.append(self._mask(t.post))
             tm = 0
             for tok in t.tokens:
                 tm |= self._tok(tok)
-            self.tok.append(tm)
+            toks.append(tm)
             last = t.instrs[-1]
-            self.key.append(last.ref)
-            self.pure.append(not (self.times[k].has_fwd_comm or self.times[k].has_bwd_comm))
-            self.defines.append(last.ref if isinstance(last, Compute) else -1)
-        self.prop_of = {b: p for p, b in self.bits.items()}
-        self.tok_of = {b: t for t, b in self.tok_bits.items()}
-        self.start = self._mask(start)
-        self.start_tokens = sum(self.tok_bits[t] for t in start_tokens)
-        self.protected = self._mask(protected) | self.bits.get(DONE, 0)
-        self.consumers: dict[int, list[int]] = {}
-        self.free: list[int] = []
-        for k, pm in enumerate(self.pre):
+            key.append(last.ref)
+            defines.append(last.ref if isinstance(last, Compute) else -1)
+        prop_of = {b: p for p, b in self.bits.items()}
+        tok_of = {b: t for t, b in self.tok_bits.items()}
+        start_mask = self._mask(start)
+        start_toks = sum(self.tok_bits[t] for t in start_tokens)
+        protected_mask = self._mask(protected) | self.bits.get(DONE, 0)
+        consumers: dict[int, list[int]] = {}
+        free: list[int] = []
+        for k, pm in enumerate(pre):
             if not pm:
-                self.free.append(k)
+                free.append(k)
             m = pm
             while m:
                 low = m & -m
-                self.consumers.setdefault(low, []).append(k)
+                consumers.setdefault(low, []).append(k)
                 m ^= low
-        self._heuristic_tables(nodes)
-        self.stats = SearchStats()
-        self._alive_memo: dict[tuple[int, int, int], bool] = {}
-        self._reach: dict[int, tuple[int, int]] = {}  # prop bit -> (posts, tokens) of its consumers
-        for low, cs in self.consumers.items():
+        reach: dict[int, tuple[int, int]] = {}  # prop bit -> (posts, tokens) of its consumers
+        for low, cs in consumers.items():
             rp = rt = 0
             for c in cs:
-                rp |= self.post[c]
-                rt |= self.tok[c]
-            self._reach[low] = (rp, rt)
+                rp |= post[c]
+                rt |= toks[c]
+            reach[low] = (rp, rt)
+        node_bit = {n: 1 << k for k, n in enumerate(nodes)}
+        g = theory.graph
+        anc: dict[int, int] = {}
+        for n in sorted(nodes):
+            m = node_bit[n]
+            for o in g[n].operands:
+                m |= anc.get(o, 0)
+            anc[n] = m
+        all_nodes = sum(node_bit.values())
+        prop_cover = {b: anc.get(p.ref, 0) if p != DONE else all_nodes for p, b in self.bits.items()}
+        # memos of pure functions of the structure: _drop_dead's per-bit verdicts, covered(live),
+        # the candidate triples of a live set
+        alive_memo: dict[tuple[int, int, int], bool] = {}
+        cover_memo: dict[int, int] = {}
+        cand_memo: dict[int, list[int]] = {}
+        return (self.bits, self.tok_bits, pre, post, toks, key, defines, prop_of, tok_of, start_mask, start_toks,
+                protected_mask, consumers, free, reach, list(nodes), node_bit, all_nodes, prop_cover, alive_memo,
+                cover_memo, cand_memo)  # fmt: skip
 
     # -- bits ------------------------------------------------------------------------------------
     def _bit(self, p: Prop) -> int:
         if p not in self.bits:
+            if self._shared_bits:  # a new property after construction (a goal of run): this search's own
+                self.bits, self._shared_bits = dict(self.bits), False
             self.bits[p] = 1 << len(self.bits)
         return self.bits[p]
 
@@ -188,10 +231,8 @@ class SegmentSearch:
         return frozenset(out)
 
     # -- heuristic -----------------------------------------------------------------------------
-    def _heuristic_tables(self, nodes: Sequence[int]) -> None:
+    def _heuristic_tables(self) -> None:
         zero = (0.0,) * self.ntypes
-        self.nodes = list(nodes)
-        self.node_bit = {n: 1 << k for k, n in enumerate(self.nodes)}
         lbf: dict[int, tuple] = {}
         lbb: dict[int, tuple] = {}
         for k, n in enumerate(self.defines):
@@ -201,27 +242,26 @@ class SegmentSearch:
                 lbb[n] = tt.bwd_comp if n not in lbb else tuple(map(min, lbb[n], tt.bwd_comp))
         self.lbf = {n: lbf.get(n, zero) for n in self.nodes}
         self.lbb = {n: lbb.get(n, zero) for n in self.nodes}
-        g = self.theory.graph
-        anc: dict[int, int] = {}
-        for n in sorted(self.nodes):
-            m = self.node_bit[n]
-            for o in g[n].operands:
-                m |= anc.get(o, 0)
-            anc[n] = m
-        self.all_nodes = sum(self.node_bit.values())
-        self.prop_cover = {b: anc.get(p.ref, 0) if p != DONE else self.all_nodes for p, b in self.bits.items()}
         self._rem_cache: dict[int, tuple[tuple, tuple]] = {}
+        self._rem_live: dict[int, tuple[tuple, tuple]] = {}
 
     def covered(self, live: int) -> int:
+        c = self._cover_memo.get(live)
+        if c is not None:
+            return c
         c = 0
         m = live
         while m:
             low = m & -m
             c |= self.prop_cover.get(low, 0)
             m ^= low
+        self._cover_memo[live] = c
         return c
 
     def _remaining(self, live: int) -> tuple[tuple, tuple]:
+        hit = self._rem_live.get(live)
+        if hit is not None:
+            return hit
         due = self.all_nodes & ~self.covered(live)
         hit = self._rem_cache.get(due)
         if hit is None:
@@ -233,6 +273,7 @@ class SegmentSearch:
                         rf[t] += self.lbf[n][t]
                         rb[t] += self.lbb[n][t]
             hit = self._rem_cache[due] = (tuple(rf), tuple(rb))
+        self._rem_live[live] = hit
         return hit
 
     def _drop_dead(self, live: int, ever: int, used: int) -> int:
@@ -300,6 +341,7 @@ class SegmentSearch:
         push((start, self.start_tokens, self.start, 0.0, zero, zero, -1, -1, -1))
         next_report = t0 + 2.0
         deadline = self.deadline
+        cand_memo = self._cand_memo
         while heap:
             score, idx = heapq.heappop(heap)
             if done(score):
@@ -311,13 +353,16 @@ class SegmentSearch:
                 self.stats.seconds += time.perf_counter() - t0
                 raise OutOfTime
             live, tokens, ever, closed, fo, bo, lp, _, _ = nodes[idx]
-            cand = set(self.free)
-            m = live
-            while m:
-                low = m & -m
-                cand.update(self.consumers.get(low, ()))
-                m ^= low
-            for k in sorted(cand):
+            ordered = cand_memo.get(live)
+            if ordered is None:
+                cand = set(self.free)
+                m = live
+                while m:
+                    low = m & -m
+                    cand.update(self.consumers.get(low, ()))
+                    m ^= low
+                ordered = cand_memo[live] = sorted(cand)
+            for k in ordered:
                 if self.pre[k] & ~live or self.tok[k] & tokens or not (self.post[k] & ~ever):
                     continue
                 pure = self.pure[k]

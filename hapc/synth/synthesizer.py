@@ -656,19 +656,31 @@ class _Synth:
             raise _TooMuch
         mk = self.masks[seg.index]
         nxt: dict[tuple[int, int], tuple] = {}
+        tp, tt, needed, after = mk.touched_props, mk.touched_toks, mk.needed, mk.toks_after
+        must = mk.must if whole else ()
+        # each state's budget: upper (1 + 1e-9) + 1e-15 - offset - cost - suffix, evaluated left to
+        # right as one expression would be (the same floats), its state-independent head hoisted
+        head = self.upper * (1 + 1e-9) + 1e-15 - offset
+        tail = self.suffix[seg.index + 1]
+        cache, index, beam = self.exit_cache, seg.index, self.beam
         for (live, tokens), (cost, back) in table.items():
-            passing = live & ~mk.touched_props
-            kept = tokens & ~mk.touched_toks
-            budget = self.upper * (1 + 1e-9) + 1e-15 - offset - cost - self.suffix[seg.index + 1]
-            exits = self.segment_exits(seg, live & mk.touched_props, tokens & mk.touched_toks, budget)
+            passing = live & ~tp
+            kept = tokens & ~tt
+            budget = head - cost - tail
+            enter, toks = live & tp, tokens & tt
+            hit = cache.get((index, enter, toks))  # segment_exits' own cache, looked up here (no call)
+            if hit is not None and _covers(hit, budget, beam):
+                exits = hit[2]
+            else:
+                exits = self.segment_exits(seg, enter, toks, budget)
             for ex_live, ex_tok, c, prog in exits:
-                ns = ((ex_live | passing) & mk.needed, (ex_tok | kept) & mk.toks_after)
-                if whole and mk.must and not all(ns[0] & m for m in mk.must):
+                ns = ((ex_live | passing) & needed, (ex_tok | kept) & after)
+                if must and not all(ns[0] & m for m in must):
                     continue  # a tensor needed later, held in no layout, made by no later segment
                 total = cost + c
                 old = nxt.get(ns)
                 if old is None or total < old[0] - 1e-15:
-                    nxt[ns] = (total, (back, seg.index, prog, c))
+                    nxt[ns] = (total, (back, index, prog, c))
         if not nxt and table:
             self.dead_end = max(self.dead_end, seg.index)
         return self._bounded(nxt, seg.index + 1, offset)
