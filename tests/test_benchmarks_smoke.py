@@ -101,6 +101,12 @@ def _check_printed(script: str, stdout: str, result: dict) -> None:
             assert row["hapc_s"] > 0 and row["ddp_even_s"] > 0 and row["ddp_prop_s"] > 0 and row["hapc_dpcp_s"] > 0
             assert f"{row['measured_speedup_vs_ddp_even']:.2f}" in stdout, row["model"]
             assert (row["plan"] == "DP") == (not row["sharded_params"]), row["plan"]
+            # the predicted speedup's two factors, each beside its measured counterpart
+            assert row["dp_gain_predicted"] * row["plan_gain_predicted"] == pytest.approx(row["predicted_speedup"])
+            assert row["dp_gain_measured"] == pytest.approx(row["ddp_even_s"] / row["ddp_prop_s"])
+            assert row["plan_gain_measured"] == pytest.approx(row["hapc_dpcp_s"] / row["hapc_s"])
+            assert f"{row['plan_gain_measured']:.2f}" in stdout, row["model"]
+        assert "[[group]]" in result["cluster"]  # the profile the cases were planned on
     elif script == "memory_fidelity.py":
         assert len(result["configs"]) >= 6 and f"of {len(result['configs'])} configurations within" in stdout
         for row in result["rows"]:
