@@ -61,6 +61,8 @@ class Guard:
     def __init__(self, model: nn.Module, owner: nn.Module):
         self.owner = owner  # kept alive: the model can be synced from it as long as the model lives
         self.synced = versions(owner)  # the owner's state when the model last received it
+        self.moved = False  # stale() was seen True since `synced` was taken (it stays so: see stale)
+        self.sentinels = _sentinels(owner)  # the owner's parameters and their versions at `synced`
         self.holds_weights = not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
         self.writing = False
         self.switching = False
@@ -101,13 +103,21 @@ class Guard:
 
     def mark_synced(self) -> None:
         self.synced = versions(self.owner)
+        self.moved = False
+        self.sentinels = _sentinels(self.owner)
         self.holds_weights = True
         model = self.model()
         if model is not None:
             self.model_state = tensor_versions(model)
 
     def stale(self) -> bool:
-        return self.synced != versions(self.owner)
+        """Whether the owner's state has changed since the model last received it. Once true it
+        stays true until :meth:`mark_synced`: ``versions`` are version counters, which only grow,
+        and ``_state_epoch``, which only grows -- so it is remembered and the owner's state is not
+        walked again (the guard asks before every forward of a module that trains)."""
+        if not self.moved:
+            self.moved = self.synced != versions(self.owner)
+        return self.moved
 
     @contextlib.contextmanager
     def writing_back(self) -> Iterator[None]:
@@ -164,8 +174,14 @@ class Guard:
         model = self.model()
         if model is None or owner is not self.owner:  # a copy of the module (an EMA) is not guarded
             return
-        mods = _submodules(model)  # one walk for both checks
-        if tensor_versions(model, mods) != self.model_state and not self.stale():
+        mods = _Tree.of(model)  # one walk for both checks, remembered while the model's tree holds
+        # a module that has trained (stale) may see its model changed (weights loaded to evaluate):
+        # once it is known to have moved, the model's tensors are not walked at every step. A
+        # parameter's counter grown is the cheap sign (an optimizer step); stale() then says exactly
+        if not self.moved and any(p._version != v for p, v in self.sentinels):
+            if not self.stale():  # the owner's tensors were replaced, not stepped: watch the new counters
+                self.sentinels = _sentinels(self.owner)
+        if not self.moved and tensor_versions(model, mods) != self.model_state and not self.stale():
             raise HapcError(
                 "the model given to hapc.compile was changed after compile (model.load_state_dict(...), an "
                 "initialisation or another in-place update of its parameters or buffers), but the compiled "
@@ -263,6 +279,46 @@ class _OwnerTrain:
                 type(model).train(model, mode)
             g.modes = modes(model)
         return owner
+
+
+class _Tree:
+    """``_submodules(model)`` remembered on the model itself (it lives and dies with it; a copy or a
+    pickle of the model starts empty), with each module's children. The walk is a function of the
+    ``_modules`` dicts of the modules it reaches, so while each of them holds the same children in
+    the same order it gives the same list; a module added, removed or replaced anywhere changes its
+    parent's entry and the model is walked again. The root is not kept (no reference cycle)."""
+
+    __slots__ = ("kids", "rest")
+
+    def __init__(self) -> None:
+        self.rest: list[nn.Module] = []  # the walk after the root
+        self.kids: list[tuple] = []  # per module of the walk, its children as the walk saw them
+
+    def __reduce__(self) -> tuple:
+        return (_Tree, ())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Tree:
+        return _Tree()
+
+    @staticmethod
+    def of(model: nn.Module) -> list[nn.Module]:
+        tree = model.__dict__.get(_TREE)
+        if not isinstance(tree, _Tree):
+            tree = model.__dict__[_TREE] = _Tree()
+        mods = [model, *tree.rest]
+        if len(mods) != len(tree.kids) or any(tuple(m._modules.values()) != k for m, k in zip(mods, tree.kids)):
+            mods = _submodules(model)
+            tree.rest, tree.kids = mods[1:], [tuple(m._modules.values()) for m in mods]
+        return mods
+
+
+_TREE = "_hapc_tree"
+
+
+def _sentinels(owner: nn.Module) -> list[tuple[torch.Tensor, int]]:
+    """The owner's parameters with their version counters now: one grown means the owner has
+    (almost surely) moved since -- :meth:`Guard.stale` decides."""
+    return [(p, p._version) for p in owner.parameters()]
 
 
 def _submodules(model: nn.Module) -> list[nn.Module]:
