@@ -238,7 +238,7 @@ class CompiledModule(nn.Module):
         self._flush()
         if self.world > 1 and torch.is_grad_enabled():
             self._prepare_accumulation()
-            self._synced = False
+            self.__dict__["_synced"] = False  # (per step: not through nn.Module.__setattr__)
         extras: tuple = ()
         checks: list[tuple[int, str]] = []
         with self._autocast():
@@ -566,6 +566,7 @@ class CompiledModule(nn.Module):
         self._sizes = [[p.numel() for p in b] for b in buckets]
         self._view_of: dict[int, torch.Tensor | None] = {id(p): None for p in params}
         self._flat: list[torch.Tensor | None] = [None] * len(buckets)  # allocated on first use
+        self._views: list[list[torch.Tensor]] = [[] for _ in buckets]  # per bucket, its parameters' views of it
         self._carry: dict[int, torch.Tensor] = {}
         self._syncing = True  # False inside no_sync()
         self._synced = False  # a sync finished since the last forward (a further backward re-uses its graph)
@@ -669,27 +670,33 @@ class CompiledModule(nn.Module):
             self._restore_gradients()
 
     def _restore_gradients(self) -> None:
-        for h in self._stash_handles:
-            h.remove()
-        self._stash_handles = []
-        for p in self._sync_params:
-            old = self._carry.pop(id(p), None)
-            if old is not None:
-                p.grad = old if p.grad is None else p.grad.add_(old)
+        if self._stash_handles:
+            for h in self._stash_handles:
+                h.remove()
+            self.__dict__["_stash_handles"] = []
+        if self._carry:  # (empty unless a stash hook or no_sync moved gradients aside)
+            for p in self._sync_params:
+                old = self._carry.pop(id(p), None)
+                if old is not None:
+                    p.grad = old if p.grad is None else p.grad.add_(old)
 
     def _reset_sync(self) -> None:
-        self._ready = [0] * len(self._buckets)
-        self._launched: list[tuple[Any, int]] = []
-        self._next = 0
-        self._queued = False
+        # per-step state is written into __dict__: none of it is a parameter, buffer or submodule,
+        # and nn.Module.__setattr__'s checks cost ~1.3 us an assignment on every step
+        state = self.__dict__
+        state["_ready"] = [0] * len(self._buckets)
+        state["_launched"] = []  # (work, bucket) of the all-reduces started this backward
+        state["_next"] = 0
+        state["_queued"] = False
 
     def _bucket_buffer(self, b: int) -> torch.Tensor:
         flat = self._flat[b]
         if flat is None:
             bucket = self._buckets[b]
             flat = self._flat[b] = torch.empty(sum(self._sizes[b]), dtype=bucket[0].dtype, device=bucket[0].device)
-            for p, view in zip(bucket, torch.split(flat, self._sizes[b])):
-                self._view_of[id(p)] = view.view_as(p)
+            views = self._views[b] = [view.view_as(p) for p, view in zip(bucket, torch.split(flat, self._sizes[b]))]
+            for p, view in zip(bucket, views):
+                self._view_of[id(p)] = view
         return flat
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
@@ -711,7 +718,7 @@ class CompiledModule(nn.Module):
             self._unsynced = True
         elif not self._queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_sync)
-            self._queued = True
+            self.__dict__["_queued"] = True
 
     def _on_grad(self, p: nn.Parameter) -> None:
         if not self._syncing:
@@ -731,21 +738,22 @@ class CompiledModule(nn.Module):
         while self._next < len(self._buckets) and (force or self._ready[self._next] == len(self._buckets[self._next])):
             b = self._next
             flat = self._bucket_buffer(b)
-            bucket = self._buckets[b]
-            if not any(p.grad is self._view_of[id(p)] for p in bucket):
+            bucket, views = self._buckets[b], self._views[b]
+            grads = [p.grad for p in bucket]
+            if not any(g is view for g, view in zip(grads, views)):
                 torch.cat(
-                    [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in bucket], out=flat
+                    [g.reshape(-1) if g is not None else p.new_zeros(p.numel()) for g, p in zip(grads, bucket)],
+                    out=flat,
                 )
             else:  # gradients zeroed in place last step were accumulated right into the bucket
-                for p in bucket:
-                    view = self._view_of[id(p)]
+                for p, view in zip(bucket, views):
                     if p.grad is None:
                         view.zero_()
                     elif p.grad is not view:
                         view.copy_(p.grad)
             self._flush()  # a pending loss all-reduce goes first, on every rank
             self._launched.append((dist.all_reduce(flat, group=self.group, async_op=True), b))
-            self._next += 1
+            self.__dict__["_next"] = b + 1
 
     def _finish_sync(self) -> None:
         # Summed gradients stay in the bucket: each .grad becomes a view of it (no copy back, as
@@ -754,13 +762,13 @@ class CompiledModule(nn.Module):
         self._launch_ready(force=True)
         for work, b in self._launched:
             work.wait()
-            for p in self._buckets[b]:
+            for p, view in zip(self._buckets[b], self._views[b]):
                 if p.requires_grad:  # frozen after compile: no gradient, as on one device
-                    p.grad = self._view_of[id(p)]
+                    p.grad = view
         self._restore_gradients()
         self._reset_sync()
-        self._unsynced = False
-        self._synced = True
+        self.__dict__["_unsynced"] = False
+        self.__dict__["_synced"] = True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, **kwargs: Any) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over this module's parameters: the single-device total
