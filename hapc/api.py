@@ -526,7 +526,8 @@ def _refuse_random_ops(graph: Any, world: int) -> None:
         raise HapcError(
             f"{n.op}{mode} at {n.name} ({n.source or 'model'}): hapc draws rank-consistent "
             "random values only for dropout (F.dropout, nn.Dropout, scaled_dot_product_attention's dropout_p) "
-            "and stochastic depth (torchvision.ops.StochasticDepth, timm's DropPath), so replicas would diverge; "
+            "and stochastic depth (torchvision.ops.StochasticDepth, timm's DropPath, Hugging Face's *DropPath "
+            "modules), so replicas would diverge; "
             "use nn.Dropout / F.dropout (or a StochasticDepth module for a per-sample drop) instead, draw the "
             "values outside the model "
             "and pass them in as an input, or compile the model in eval mode"

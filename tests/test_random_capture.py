@@ -36,6 +36,16 @@ class Noisy(nn.Module):
         return F.cross_entropy(self.fc(x * keep), y)
 
 
+class NoisyOnDevice(Noisy):
+    """The draw on the input's device and in its dtype, as Hugging Face's stochastic depth draws
+    (``torch.rand(shape, dtype=x.dtype, device=x.device)``: fx's capture used to compute it on the
+    example's device, beside meta tensors, and fail)."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        keep = torch.rand(x.shape[0], 8, dtype=x.dtype, device=x.device) > 0.5
+        return F.cross_entropy(self.fc(x * keep), y)
+
+
 class LayerDrop(nn.Module):
     """A stack whose training forward skips each layer with probability ``p``, written as
     transformers writes it."""
@@ -62,9 +72,10 @@ def _batch(n: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("capture", CAPTURES)
-def test_a_random_factory_is_a_node_not_a_constant(capture):
+@pytest.mark.parametrize("cls", [Noisy, NoisyOnDevice])
+def test_a_random_factory_is_a_node_not_a_constant(capture, cls):
     torch.manual_seed(0)
-    model, batch = Noisy().double(), _batch()
+    model, batch = cls().double(), _batch()
     graph = hapc.trace(model, batch, capture=capture)
     assert "rand" in [n.op for n in graph if n.kind == "op"], "the draw is an op of the graph"
     torch.manual_seed(1)

@@ -10,6 +10,9 @@ residual models in float64 on 2 and 3 gloo processes with uneven ratios and an o
 loss, gradients and two SGD steps equal the same model compiled on one rank (and differ from the
 model without the drop, so an identity op cannot pass); tiny torchvision ConvNeXt and EfficientNet
 and a timm ViT with ``drop_path_rate`` on 2 ranks equal 1 rank; eval mode and the verifier.
+Hugging Face's ``*DropPath`` modules (BEiT, Swin, ConvNeXt, ... each its own copy, drawing with
+``torch.rand`` inline) are normalised to :func:`hapc.ops.drop_path`: the residual model with
+``BeitDropPath`` and a tiny HF ConvNeXt with ``drop_path_rate`` train on several ranks too.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ F64 = torch.float64
 P = 0.3
 TV_OP = "torchvision.ops.stochastic_depth.stochastic_depth"
 TIMM_OP = "timm.layers.drop.drop_path"
+HF_OP = "hapc.ops.drop_path"  # Hugging Face's *DropPath modules, normalised
+OPS = {"torchvision": TV_OP, "timm": TIMM_OP, "hf": HF_OP}
 
 pytestmark = pytest.mark.skipif(not realworld.has("torchvision"), reason="torchvision does not load")
 
@@ -135,10 +140,15 @@ class Residual(nn.Module):
         self.head = nn.Linear(16, 4)
         if kind == "torchvision":
             self.sd1, self.sd2, self.sd3 = (_tv().ops.StochasticDepth(p, mode) for _ in range(3))
-        else:
+        elif kind == "timm":
             import timm
 
             self.sd1, self.sd2, self.sd3 = (timm.layers.DropPath(p) for _ in range(3))
+        else:
+            realworld._hf()
+            from transformers.models.beit.modeling_beit import BeitDropPath
+
+            self.sd1, self.sd2, self.sd3 = (BeitDropPath(p) for _ in range(3))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x = x + self.sd1(torch.tanh(self.conv(x)))
@@ -219,13 +229,15 @@ CASES = [
     ("batch", "torchvision", 2, "ratios"),
     ("batch", "torchvision", 3, "ratios"),
     ("row", "timm", 3, "ratios"),
+    ("row", "hf", 3, "ratios"),
+    ("row", "hf", 2, "tp"),
 ]
 
 
 @pytest.mark.parametrize(("mode", "kind", "world", "how"), CASES, ids=["-".join(map(str, c)) for c in CASES])
 def test_n_ranks_equal_one_rank(mode: str, kind: str, world: int, how: str) -> None:
-    if kind == "timm" and not realworld.has("timm"):
-        pytest.skip("timm does not load")
+    if kind != "torchvision" and not realworld.has({"timm": "timm", "hf": "transformers"}[kind]):
+        pytest.skip(f"{kind} does not load")
     model, inputs = build(mode, kind=kind)
     if how == "ratios":
         ratios = {2: (0.6, 0.4), 3: (0.5, 0.3, 0.2)}[world]
@@ -235,7 +247,7 @@ def test_n_ranks_equal_one_rank(mode: str, kind: str, world: int, how: str) -> N
     else:  # Megatron-style: the MLP's hidden features shard, so sd2 runs on a slice of dim 1
         cluster = cluster_of([1e10] * world)
         plan = hapc.synthesize(model, cluster, inputs, baseline="tp")
-    op = TV_OP if kind == "torchvision" else TIMM_OP
+    op = OPS[kind]
     used = _strategies(model, inputs, plan, op)
     assert len(used) == 3 and any(k.startswith("d") for k in used), used  # the drop runs sharded
     if how == "tp":
@@ -314,26 +326,39 @@ def _timm_vit() -> tuple[nn.Module, tuple]:
     return realworld.WithLoss(model).to(F64), (torch.randn(5, 3, 32, 32, generator=g, dtype=F64), torch.arange(5) % 4)
 
 
+def _hf_convnext() -> tuple[nn.Module, dict]:
+    """transformers' ConvNeXt (its ``ConvNextDropPath`` modules) with a drop rate of 0.5."""
+    t = realworld._hf()
+    torch.manual_seed(0)
+    cfg = t.ConvNextConfig(hidden_sizes=[8, 16], depths=[2, 2], num_stages=2, num_labels=4, drop_path_rate=0.5)
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.randn(5, 3, 32, 32, generator=g, dtype=F64)
+    return t.ConvNextForImageClassification(cfg).to(F64), dict(pixel_values=pixels, labels=torch.arange(5) % 4)
+
+
 def _library_model(rank: int, world: int, name: str, p_zero: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
-    model, inputs = {"convnext": _convnext, "efficientnet": _efficientnet, "timm-vit": _timm_vit}[name]()
+    builders = {"convnext": _convnext, "efficientnet": _efficientnet, "timm-vit": _timm_vit}
+    model, inputs = {**builders, "hf-convnext": _hf_convnext}[name]()
     if p_zero:
         for m in model.modules():
             if isinstance(m, _tv().ops.StochasticDepth):
                 m.p = 0.0
-            if type(m).__name__ == "DropPath":
+            if type(m).__name__.endswith("DropPath"):
                 m.drop_prob = 0.0
     torch.manual_seed(1234)
     ratios = {"ratios": (0.6, 0.4)} if world == 2 else {}
     module = hapc.compile(model, cluster_of([1e10] * world), inputs, **ratios)
-    loss = module(*inputs)[0]
+    loss = module(**inputs).loss if isinstance(inputs, dict) else module(*inputs)[0]
     loss.backward()
     return float(loss.detach()), module.full_gradients()
 
 
-@pytest.mark.parametrize("name", ["convnext", "efficientnet", "timm-vit"])
+@pytest.mark.parametrize("name", ["convnext", "efficientnet", "timm-vit", "hf-convnext"])
 def test_library_model_on_two_ranks_equals_one(name: str) -> None:
     if name.startswith("timm") and not realworld.has("timm"):
         pytest.skip("timm does not load")
+    if name.startswith("hf") and not realworld.has("transformers"):
+        pytest.skip("transformers does not load")
     want = run_distributed(_library_model, 1, name)[0]
     plain = run_distributed(_library_model, 1, name, True)[0]
     assert want[0] != pytest.approx(plain[0], rel=1e-9), "stochastic depth drops some block"

@@ -99,6 +99,40 @@ def _identity(g, m, qual, a):
     return a["input"]
 
 
+def hf_drop_path(m: nn.Module) -> bool:
+    """Whether ``m`` is one of Hugging Face's stochastic-depth modules (``BeitDropPath``,
+    ``SwinDropPath``, ``ConvNextDropPath``, ... : one per vision model, all alike)::
+
+        keep = 1 - self.drop_prob
+        mask = torch.floor(torch.rand((x.shape[0], 1, ...)) + keep)  # 1 with probability keep
+        return x.div(keep) * mask                                      # (x itself in eval or at 0)
+
+    timm's ``drop_path`` with ``scale_by_keep=True``. Traced inline, its ``torch.rand`` is a draw each
+    rank would make on its own (refused on several ranks): :func:`_hf_drop_path` calls
+    :func:`hapc.ops.drop_path` instead, which draws rank-consistently."""
+    t = type(m)
+    return (
+        t.__name__.endswith("DropPath")
+        and t.__module__.startswith("transformers.")
+        and isinstance(getattr(m, "drop_prob", None), float)
+    )
+
+
+def _hf_drop_path(g, m, qual, a):
+    x = next(iter(a.values()))  # forward(self, hidden_states)
+    if m.drop_prob == 0 or not m.training:
+        return x
+    from ..ops import drop_path
+
+    return _call(g, drop_path, x, m.drop_prob, True, True)
+
+
+def normaliser(m: nn.Module) -> Normaliser | None:
+    """The functional form of module ``m`` (None: it is no table module)."""
+    norm = NORMALISERS.get(type(m))
+    return _hf_drop_path if norm is None and hf_drop_path(m) else norm
+
+
 def _simple(fn: Callable, *attrs: str, **fixed: object) -> Normaliser:
     def norm(g, m, qual, a):
         kwargs = {k: getattr(m, k) for k in attrs}
@@ -187,7 +221,7 @@ def normalise_modules(gm: fx.GraphModule) -> None:
         if node.op != "call_module":
             continue
         mod = gm.get_submodule(node.target)
-        norm = NORMALISERS.get(type(mod))
+        norm = normaliser(mod)
         if norm is None:
             continue
         bound = inspect.signature(mod.forward).bind(*node.args, **node.kwargs)

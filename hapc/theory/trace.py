@@ -37,7 +37,7 @@ from .cse import merge_common
 from .draws import CaptureDraws
 from .flops import contraction_flops
 from .graph import BUFFER, INPUT, OP, PARAM, Ref, RefGraph, RefNode, TensorMeta, iter_refs
-from .normalize import NORMALISERS, normalise_modules
+from .normalize import NORMALISERS, hf_drop_path, normalise_modules, normaliser
 from .opnames import canonical_name, qualified_name
 from .plain_meta import MetaMemo, without_sympy
 from .registry import Registry, default_registry
@@ -236,7 +236,7 @@ class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         # the user's leaves and the modules with a functional form stay whole; every other module,
         # torch.nn's included (MultiheadAttention, Hardsigmoid), is traced into the functions it calls
-        return isinstance(m, self.leaves) or type(m) in NORMALISERS
+        return isinstance(m, self.leaves) or normaliser(m) is not None
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _Proxy(node, self)
@@ -276,7 +276,9 @@ class _Tracer(fx.Tracer):
                 raise LookupError(n.name)
             return v
 
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), val)
+        # devices to meta, as :func:`_propagate` does: ``torch.rand(shape, device=x.device)`` (a draw
+        # recorded as a node, :mod:`hapc.theory.draws`) names the example's device
+        args, kwargs = _on_meta(fx.node.map_arg((node.args, node.kwargs), val))
         with torch.device("meta"):
             if node.op == "call_function":
                 return self.memo.call(node.target, args, kwargs)
@@ -1042,7 +1044,8 @@ def _fast_leaf_value(mod: nn.Module, args: tuple, kwargs: dict) -> Any:
     x = args[0] if args else kwargs.get("input")
     if not isinstance(x, torch.Tensor) or len(args) > 1:
         return None
-    if isinstance(mod, _SAME_SHAPE) and not getattr(mod, "inplace", False):
+    if (isinstance(mod, _SAME_SHAPE) and not getattr(mod, "inplace", False)) or hf_drop_path(mod):
+        # (a Hugging Face DropPath's forward draws with torch.rand: never run it under the capture)
         return torch.empty(x.shape, dtype=x.dtype, device="meta")
     if type(mod) is nn.Linear and x.dim() >= 1 and x.shape[-1] == mod.in_features:
         return torch.empty((*x.shape[:-1], mod.out_features), dtype=x.dtype, device="meta")

@@ -94,6 +94,7 @@ def with_attention_dropout(view: OpView, strategies: list[Strategy]) -> list[Str
 SAMPLE_DROPS: dict[str, tuple[int, str]] = {
     "torchvision.ops.stochastic_depth.stochastic_depth": (1, "p"),
     "timm.layers.drop.drop_path": (1, "drop_prob"),
+    "hapc.ops.drop_path": (1, "drop_prob"),  # Hugging Face's *DropPath modules (hapc.theory.normalize)
 }
 
 
@@ -118,8 +119,10 @@ def _stochastic_depth(view: OpView):
 
 
 @rule("timm.layers.drop.drop_path", doc="every dim shards; Partial -> Partial; one draw per global sample")
+@rule("hapc.ops.drop_path", doc="Hugging Face's *DropPath modules (as timm's drop_path): one draw per global sample")
 def _drop_path(view: OpView):
-    """timm's ``drop_path(x, drop_prob, training, scale_by_keep)``: :func:`hapc.ops.drop_path`."""
+    """timm's ``drop_path(x, drop_prob, training, scale_by_keep)``: :func:`hapc.ops.drop_path`;
+    Hugging Face's ``*DropPath`` modules are normalised to the same call."""
     args = (
         float(view.arg(1, "drop_prob", 0.0)),
         bool(view.arg(2, "training", False)),
