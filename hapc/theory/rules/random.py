@@ -118,8 +118,10 @@ def _stochastic_depth(view: OpView):
     return _elementwise_draws(view, hops.stochastic_depth, args)
 
 
-@rule("timm.layers.drop.drop_path", doc="every dim shards; Partial -> Partial; one draw per global sample")
-@rule("hapc.ops.drop_path", doc="Hugging Face's *DropPath modules (as timm's drop_path): one draw per global sample")
+@rule(
+    ["timm.layers.drop.drop_path", "hapc.ops.drop_path"],  # the second: Hugging Face's *DropPath modules
+    doc="every dim shards; Partial -> Partial; one draw per global sample",
+)
 def _drop_path(view: OpView):
     """timm's ``drop_path(x, drop_prob, training, scale_by_keep)``: :func:`hapc.ops.drop_path`;
     Hugging Face's ``*DropPath`` modules are normalised to the same call."""
