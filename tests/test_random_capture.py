@@ -46,6 +46,23 @@ class NoisyOnDevice(Noisy):
         return F.cross_entropy(self.fc(x * keep), y)
 
 
+class NoiseLeaf(nn.Module):
+    """A module kept whole (``leaf_modules``) whose forward draws: the capture computes its value by
+    running it, and that run's draw is no node of the graph."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rand(x.shape[0], 1, dtype=x.dtype, device=x.device)
+
+
+class WithNoiseLeaf(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.noise = nn.Linear(8, 8), NoiseLeaf()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.noise(self.fc(x)).sum()
+
+
 class LayerDrop(nn.Module):
     """A stack whose training forward skips each layer with probability ``p``, written as
     transformers writes it."""
@@ -82,6 +99,14 @@ def test_a_random_factory_is_a_node_not_a_constant(capture, cls):
     first = graph.run(x=batch[0], y=batch[1])
     second = graph.run(x=batch[0], y=batch[1])
     assert not torch.equal(first, second), "each run draws anew, as the model does"
+
+
+def test_a_leaf_modules_own_draw_is_not_recorded():
+    model = WithNoiseLeaf().double()
+    x = torch.randn(6, 8, dtype=F64)
+    graph = hapc.trace(model, (x,), leaf_modules=[NoiseLeaf], capture="fx")
+    ops = [n.op for n in graph if n.kind == "op"]
+    assert "rand" not in ops and sum("NoiseLeaf" in op for op in ops) == 1, ops
 
 
 def _compile_noisy(rank, world):

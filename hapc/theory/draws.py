@@ -25,7 +25,9 @@ change from step to step: refused, naming the fix. A 0-dim draw used any other w
 
 from __future__ import annotations
 
+import contextlib
 import numbers
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -122,6 +124,22 @@ def _traced(tree: Any) -> bool:
     return any(isinstance(x, fx.Proxy) for x in pytree.tree_leaves(tree))
 
 
+#: how many leaf evaluations are running (:func:`leaf_evaluation`): their draws are recorded nowhere
+_IN_LEAF = [0]
+
+
+@contextlib.contextmanager
+def leaf_evaluation() -> Iterator[None]:
+    """While the fx capture computes a leaf module's meta value by running the module itself (its
+    forward's ops are not nodes of the graph): a draw there runs as written, on meta tensors, and
+    is not recorded as a node (Hugging Face's ``*DropPath`` modules draw with ``torch.rand``)."""
+    _IN_LEAF[0] += 1
+    try:
+        yield
+    finally:
+        _IN_LEAF[0] -= 1
+
+
 class CaptureDraws(TorchFunctionMode):
     """Active while a capture runs the model's forward. ``tracer``: the fx tracer (it records a
     random factory with plain arguments as a node); None under torch.export, which records them
@@ -134,6 +152,8 @@ class CaptureDraws(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if _IN_LEAF[0]:
+            return func(*args, **kwargs)
         if func is torch.rand and _zero_dim(args, kwargs):
             return ScalarDraw(self.where)
         if self.tracer is not None and not _traced((args, kwargs)):

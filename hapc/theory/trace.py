@@ -34,10 +34,10 @@ import torch.nn as nn
 from .._util import without_gc
 from ..errors import TraceError
 from .cse import merge_common
-from .draws import CaptureDraws
+from .draws import CaptureDraws, leaf_evaluation
 from .flops import contraction_flops
 from .graph import BUFFER, INPUT, OP, PARAM, Ref, RefGraph, RefNode, TensorMeta, iter_refs
-from .normalize import NORMALISERS, hf_drop_path, normalise_modules, normaliser
+from .normalize import NORMALISERS, normalise_modules, normaliser
 from .opnames import canonical_name, qualified_name
 from .plain_meta import MetaMemo, without_sympy
 from .registry import Registry, default_registry
@@ -298,11 +298,13 @@ _MODULE_CALL, _MODULE_GETATTR = nn.Module.__call__, nn.Module.__getattr__
 @contextlib.contextmanager
 def _unpatched_modules() -> Any:
     """fx patches ``Module.__call__``/``__getattr__`` while tracing; computing a leaf module's
-    meta value must run the real ones, or it would record nodes of its own."""
+    meta value must run the real ones, or it would record nodes of its own (and so must the
+    capture's random draws: :func:`hapc.theory.draws.leaf_evaluation`)."""
     call, getattr_ = nn.Module.__call__, nn.Module.__getattr__
     nn.Module.__call__, nn.Module.__getattr__ = _MODULE_CALL, _MODULE_GETATTR  # type: ignore[method-assign]
     try:
-        yield
+        with leaf_evaluation():
+            yield
     finally:
         nn.Module.__call__, nn.Module.__getattr__ = call, getattr_  # type: ignore[method-assign]
 
@@ -1044,8 +1046,7 @@ def _fast_leaf_value(mod: nn.Module, args: tuple, kwargs: dict) -> Any:
     x = args[0] if args else kwargs.get("input")
     if not isinstance(x, torch.Tensor) or len(args) > 1:
         return None
-    if (isinstance(mod, _SAME_SHAPE) and not getattr(mod, "inplace", False)) or hf_drop_path(mod):
-        # (a Hugging Face DropPath's forward draws with torch.rand: never run it under the capture)
+    if isinstance(mod, _SAME_SHAPE) and not getattr(mod, "inplace", False):
         return torch.empty(x.shape, dtype=x.dtype, device="meta")
     if type(mod) is nn.Linear and x.dim() >= 1 and x.shape[-1] == mod.in_features:
         return torch.empty((*x.shape[:-1], mod.out_features), dtype=x.dtype, device="meta")
