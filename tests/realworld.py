@@ -80,13 +80,18 @@ def _tokens(batch: int, seq: int, vocab: int = 100, seed: int = 0) -> torch.Tens
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
+def _lm(model: nn.Module, batch: int, seq: int) -> tuple[nn.Module, dict]:
+    """A language model and its batch as the docs call it: tokens, labels = the same tokens."""
+    ids = _tokens(batch, seq, model.config.vocab_size)
+    return model, dict(input_ids=ids, labels=ids)
+
+
 def gpt2(batch: int = 4, seq: int = 16, attn: str = "sdpa", size: str = "tiny") -> tuple[nn.Module, dict]:
     t = _hf()
     kw = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=64) if size == "tiny" else {}
     cfg = t.GPT2Config(**kw, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     cfg._attn_implementation = attn
-    ids = _tokens(batch, seq, cfg.vocab_size)
-    return t.GPT2LMHeadModel(cfg), dict(input_ids=ids, labels=ids)
+    return _lm(t.GPT2LMHeadModel(cfg), batch, seq)
 
 
 def bert_cls(batch: int = 4, seq: int = 16, size: str = "tiny") -> tuple[nn.Module, dict]:
@@ -112,8 +117,7 @@ def llama(batch: int = 4, seq: int = 16, size: str = "tiny") -> tuple[nn.Module,
     kw = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=64, vocab_size=100)  # fmt: skip
     cfg = t.LlamaConfig(**(kw if size == "tiny" else {}))
-    ids = _tokens(batch, seq, cfg.vocab_size)
-    return t.LlamaForCausalLM(cfg), dict(input_ids=ids, labels=ids)
+    return _lm(t.LlamaForCausalLM(cfg), batch, seq)
 
 
 def mixtral(
@@ -131,8 +135,7 @@ def mixtral(
               intermediate_size=64, vocab_size=100, num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
     cfg = t.MixtralConfig(**(kw if size == "tiny" else {}), experts_implementation=experts,
                           output_router_logits=router_logits)  # fmt: skip
-    ids = _tokens(batch, seq, cfg.vocab_size)
-    return t.MixtralForCausalLM(cfg), dict(input_ids=ids, labels=ids)
+    return _lm(t.MixtralForCausalLM(cfg), batch, seq)
 
 
 def t5(batch: int = 4, seq: int = 16, size: str = "tiny") -> tuple[nn.Module, dict]:
@@ -148,8 +151,7 @@ def gemma(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
     t = _hf()
     cfg = t.GemmaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=8, intermediate_size=64, vocab_size=100)  # fmt: skip
-    ids = _tokens(batch, seq, cfg.vocab_size)
-    return t.GemmaForCausalLM(cfg), dict(input_ids=ids, labels=ids)
+    return _lm(t.GemmaForCausalLM(cfg), batch, seq)
 
 
 def opt(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
@@ -157,8 +159,7 @@ def opt(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
     t = _hf()
     cfg = t.OPTConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, ffn_dim=64, vocab_size=100,
                       word_embed_proj_dim=32, max_position_embeddings=64, dropout=0.0)  # fmt: skip
-    ids = _tokens(batch, seq, cfg.vocab_size)
-    return t.OPTForCausalLM(cfg), dict(input_ids=ids, labels=ids)
+    return _lm(t.OPTForCausalLM(cfg), batch, seq)
 
 
 def bart(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
@@ -177,8 +178,7 @@ def qwen3(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
     t = _hf()
     cfg = t.Qwen3Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=8, intermediate_size=64, vocab_size=100)  # fmt: skip
-    ids = _tokens(batch, seq, cfg.vocab_size)
-    return t.Qwen3ForCausalLM(cfg), dict(input_ids=ids, labels=ids)
+    return _lm(t.Qwen3ForCausalLM(cfg), batch, seq)
 
 
 def llama_padded(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
@@ -294,8 +294,7 @@ def bloom(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
     t = _hf()
     cfg = t.BloomConfig(n_layer=2, hidden_size=32, n_head=4, vocab_size=100, hidden_dropout=0.0,
                         attention_dropout=0.0)  # fmt: skip
-    ids = _tokens(batch, seq, cfg.vocab_size)
-    return t.BloomForCausalLM(cfg), dict(input_ids=ids, labels=ids)
+    return _lm(t.BloomForCausalLM(cfg), batch, seq)
 
 
 def gpt_neox(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
@@ -304,8 +303,7 @@ def gpt_neox(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
     t = _hf()
     cfg = t.GPTNeoXConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
                           vocab_size=100, hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
-    ids = _tokens(batch, seq, cfg.vocab_size)
-    return t.GPTNeoXForCausalLM(cfg), dict(input_ids=ids, labels=ids)
+    return _lm(t.GPTNeoXForCausalLM(cfg), batch, seq)
 
 
 def qwen2_moe(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
@@ -316,8 +314,7 @@ def qwen2_moe(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
                            intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=32,
                            num_experts=4, num_experts_per_tok=2, vocab_size=100,
                            experts_implementation="batched_mm")  # fmt: skip
-    ids = _tokens(batch, seq, cfg.vocab_size)
-    return t.Qwen2MoeForCausalLM(cfg), dict(input_ids=ids, labels=ids)
+    return _lm(t.Qwen2MoeForCausalLM(cfg), batch, seq)
 
 
 def albert(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
@@ -327,8 +324,7 @@ def albert(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
     cfg = t.AlbertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
                          embedding_size=16, vocab_size=100, hidden_dropout_prob=0.0,
                          attention_probs_dropout_prob=0.0)  # fmt: skip
-    ids = _tokens(batch, seq, cfg.vocab_size)
-    return t.AlbertForMaskedLM(cfg), dict(input_ids=ids, labels=ids)
+    return _lm(t.AlbertForMaskedLM(cfg), batch, seq)
 
 
 def convnext_hf(batch: int = 4) -> tuple[nn.Module, dict]:
