@@ -45,6 +45,7 @@ threads run free (:func:`hapc.emulate.apply`), the same for every contender.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -68,7 +69,9 @@ from hapc.cluster import Cluster
 from hapc.testing import run_distributed
 
 SPEEDS = [1.0, 0.5]
-PROFILES = 3  # profiles taken (fresh processes each); the median speed ratio's plans the cases
+PROFILES = 3  # profiles taken (fresh processes each); every measured rate's median plans the cases
+#: the rates of a profiled device group, each the median over the profiles (median_cluster)
+RATES = ("flops", "mem_bandwidth", "op_overhead")
 #: name -> (factory kwargs, quick kwargs); batch sizes make compute dominate the gradient all-reduce
 CASES: dict[str, tuple[str, dict, dict]] = {
     "mlp": ("mlp", {"batch": 768, "widths": (512, 1024, 1024, 512)}, {"batch": 96, "widths": (64, 128, 64)}),
@@ -85,6 +88,41 @@ def _profile_job(rank: int, world: int, reps: int) -> str:
     # fp32 plans only; collectives timed by what they add to a program (as benchmarks/fidelity.py)
     cluster, _ = profile(reps=reps, gemm=512, gap=GAP, marginal=True, calls=CALLS, half=(), name="emulated-1-0.5")
     return cluster.to_toml()
+
+
+def median_cluster(clusters: list[Cluster]) -> Cluster:
+    """One cluster from several profiles of the same ranks: every measured number the median over
+    the profiles, each apart -- a group's :data:`RATES`, each collective's alpha and beta, each
+    link's bandwidth and latency; names and capacities from the first.
+
+    Each rate of one profile is one draw of a noisy measurement (on this project's shared host the
+    slow rank's ``mem_bandwidth`` ratio ranged 0.31-0.59 from draw to draw while its flops ratio held
+    0.45-0.51): planning on the profile whose *flops* ratio is the median left its other rates a
+    single draw, and the LP moved its ratios off the speeds' split by that draw's error."""
+    dicts = [c.to_dict() for c in clusters]
+    out = copy.deepcopy(dicts[0])
+    for i, group in enumerate(out["group"]):
+        for key in RATES:
+            values = [d["group"][i].get(key) for d in dicts]
+            if all(v is not None for v in values):
+                group[key] = statistics.median(values)
+    for prim, ab in out.get("collectives", {}).items():
+        for key in ab:
+            ab[key] = statistics.median(d["collectives"][prim][key] for d in dicts)
+    for name, link in out.get("links", {}).items():
+        for key in link if isinstance(link, dict) else ():  # a named link, not the list of host pairs
+            link[key] = statistics.median(d["links"][name][key] for d in dicts)
+    return Cluster.from_dict(out)
+
+
+def _speed_ratios(cluster: Cluster) -> dict[str, float]:
+    """The slow group's speed over the fast one's, per rate (op_overhead: fast / slow time)."""
+    fast, slow = cluster.groups[0], cluster.groups[-1]
+    return {
+        "flops": slow.flops / fast.flops,
+        "mem_bandwidth": (slow.mem_bandwidth or 0.0) / (fast.mem_bandwidth or 1.0),
+        "op_overhead": (fast.op_overhead or 0.0) / (slow.op_overhead or 1.0),
+    }
 
 
 def _timed(step, n: int) -> list[float]:
@@ -203,33 +241,29 @@ def _main(isolation: str | None) -> int:
         return 0
     steps, rounds = (4, 1) if args.quick else (args.steps, args.rounds)
     # the profile is one measurement of two ranks sharing a host: taken PROFILES times on fresh
-    # processes, the one with the median speed ratio plans every case (all are reported)
+    # processes, each measured number's median over them plans every case (median_cluster)
     profiles = []
     for _ in range(1 if args.quick else PROFILES):
         toml = run_distributed(_profile_job, 2, 1 if args.quick else 3, speeds=SPEEDS, timeout=600)[0]
-        c = Cluster.from_dict(tomllib.loads(toml))
-        f = [g.flops for g in c.groups for _ in range(g.devices)]
-        profiles.append((f[1] / f[0], c, f))
-    ratios = [r for r, _, _ in profiles]
-    _, cluster, flops = sorted(profiles, key=lambda p: p[0])[len(profiles) // 2]
+        profiles.append(Cluster.from_dict(tomllib.loads(toml)))
+    cluster = median_cluster(profiles)
+    flops = [g.flops for g in cluster.groups for _ in range(g.devices)]
+    each = [_speed_ratios(c) for c in profiles]
+    ratios = [r["flops"] for r in each]
+    other = {k: v for k, v in _speed_ratios(cluster).items() if k != "flops"}
     console.print(
         f"[bold]emulated[/] ranks at {SPEEDS} of a core (cgroup {method} CFS quota on the compute thread, pinned); "
         "profiled flops "
         + ", ".join(f"{f / 1e9:.1f} GF/s" for f in flops)
-        + f" (ratio {flops[1] / flops[0]:.2f}, the median of {len(ratios)} profiles: "
-        + ", ".join(f"{r:.2f}" for r in ratios)
-        + f"); load average {load:.1f}; isolation from the host: {isolation}"
+        + f" (ratio {flops[1] / flops[0]:.2f}); load average {load:.1f}; isolation from the host: {isolation}"
     )
     # the LP's ratios leave the flops split where the slow rank's memory bandwidth or per-operator
-    # overhead, profiled apart from its flops and as noisy, is not in the flops ratio
-    fast, slow = cluster.groups[0], cluster.groups[-1]
-    other = {
-        "mem_bandwidth": (slow.mem_bandwidth or 0.0) / (fast.mem_bandwidth or 1.0),
-        "op_overhead": (fast.op_overhead or 0.0) / (slow.op_overhead or 1.0),
-    }
+    # overhead is not in the flops ratio
     console.print(
-        "the chosen profile's slow/fast speed ratios besides flops: "
-        + ", ".join(f"{k} {v:.2f}" for k, v in other.items())
+        f"every rate the median of {len(profiles)} profiles; slow/fast speed ratios per profile: "
+        + "; ".join(f"{k} " + ", ".join(f"{r[k]:.2f}" for r in each) for k in each[0])
+        + " -- the medians' mem_bandwidth "
+        + ", op_overhead ".join(f"{v:.2f}" for v in other.values())
         + " (op_overhead as fast/slow time)"
     )
     rows = []
@@ -315,6 +349,7 @@ def _main(isolation: str | None) -> int:
         "speeds": SPEEDS,
         "profiled_flops": flops,
         "profiled_ratios": ratios,
+        "profiled_rate_ratios": each,  # per profile: slow/fast per rate (median_cluster plans on their medians)
         "profiled_other_ratios": other,
         "cluster": cluster.to_toml(),  # the profile every case was planned on: predictions re-derive from it
         "load": load,
