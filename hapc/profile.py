@@ -171,7 +171,15 @@ def measure_half_flops(device: torch.device, precision: str, n: int = 1024, **ti
 def measure_mem_bandwidth(
     device: torch.device, nbytes: int = 2**26, reps: int = 5, *, window: float = 0.0, synced: bool = False
 ) -> float:
-    """Bytes/s of a large device-to-device copy (read + write)."""
+    """Bytes/s of a large device-to-device copy (read + write).
+
+    64 MiB on a CPU too, though a CPU rank's operators work on tensors of a few MiB that its caches
+    hold: a 4 MiB copy, tried on ranks emulated at [1.0, 0.5] of a core, gave a steadier slow/fast
+    ratio (0.46-0.50 in every run, against 0.31-0.59 at 64 MiB, timed alone or both ranks at once
+    alike) but 3-4x the bandwidth, and ``benchmarks/fidelity.py`` fell from r 0.985, tau 0.869 to
+    r 0.941, tau 0.772 in the same session: the cost model's ``bytes / mem_bandwidth`` prices real
+    memory-bound operators (gelu + add + layer norm, forward + backward in its byte count: 6-19
+    GB/s at 0.25-4 MiB on the full-speed rank) near the DRAM copy's rate, not the cache's."""
     src = torch.empty(nbytes // 4, device=device, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
     return 2 * nbytes / _loop_time(lambda: dst.copy_(src), device, reps, window, synced)
