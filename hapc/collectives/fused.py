@@ -28,23 +28,32 @@ def sync_batch_norm(
     eps: float,
     group: Group = None,
 ) -> torch.Tensor:
-    """Batch norm over a batch sharded on dim 0: per-channel sums are all-reduced, so every
-    rank normalises with the statistics of the whole batch. The backward all-reduces follow from
-    the autograd of :func:`all_reduce` (self-adjoint)."""
+    """Batch norm over a batch sharded on dim 0: every rank normalises with the statistics of
+    the whole batch, computed in two passes as one device computes them,
+
+        mean = all_reduce(sum x) / n,    var = all_reduce(sum (x - mean)^2) / n,
+
+    not from one all-reduce of ``sum x`` and ``sum x^2`` (``var = E[x^2] - mean^2``), which cancels
+    catastrophically where ``|mean| >> std``: float32 activations of mean 10 and std 0.1 lost
+    three digits of the output that way and mean 1000 gave NaN (a negative variance). Statistics
+    accumulate in float32 at least (a half-precision input's, as ``F.batch_norm``'s do). The
+    backward all-reduces follow from the autograd of :func:`all_reduce` (self-adjoint)."""
     dims = [0] + list(range(2, x.dim()))
-    count = torch.tensor([float(x.numel() // x.shape[1])], dtype=x.dtype, device=x.device)
-    stats = torch.cat([x.sum(dims), (x * x).sum(dims), count])
-    stats = all_reduce(stats, group)
     c = x.shape[1]
-    n = stats[-1]
-    mean = stats[:c] / n
-    var = stats[c : 2 * c] / n - mean * mean
+    xs = x.float() if x.element_size() < 4 else x  # accumulate half-precision inputs in float32
+    count = torch.tensor([float(x.numel() // c)], dtype=xs.dtype, device=x.device)
+    first = all_reduce(torch.cat([xs.sum(dims), count]), group)
+    n = first[-1]
+    mean = first[:c] / n
     shape = [1, c] + [1] * (x.dim() - 2)
-    y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + eps)
+    centred = xs - mean.view(shape)
+    var = all_reduce((centred * centred).sum(dims), group) / n
+    y = centred * torch.rsqrt(var.view(shape) + eps)
     if weight is not None:
         y = y * weight.view(shape)
     if bias is not None:
         y = y + bias.view(shape)
+    y = y.to(x.dtype)
     if training and running_mean is not None and running_var is not None:
         with torch.no_grad():
             unbiased = var.detach() * n / torch.clamp(n - 1, min=1)

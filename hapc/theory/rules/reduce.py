@@ -147,8 +147,10 @@ def _batch_norm(view: OpView):
     """``F.batch_norm(x, running_mean, running_var, w, b, training, momentum, eps)``.
 
     Channels (dim 1) are independent. In eval mode every other dim shards too. In training the
-    batch statistics span the whole batch, so batch sharding all-reduces the per-channel sums
-    (2 * C values) forward and backward -- synchronised batch norm, never per-shard statistics.
+    batch statistics span the whole batch, so batch sharding all-reduces them forward and backward
+    -- synchronised batch norm, never per-shard statistics: the sums (C values and the count), then
+    the sums of squared deviations from the whole batch's mean (C values; two passes, as one
+    device computes the variance, not ``E[x^2] - mean^2``, which cancels where ``|mean| >> std``).
     """
     x = view.operands[0]
     n_params = view.num_operands - 1
@@ -163,8 +165,10 @@ def _batch_norm(view: OpView):
                 if d != 1 and x.shape[d] > 1
             ]
         else:
-            stats = 2 * x.shape[1] * 4
-            comm = (Comm("all_reduce", stats, "full"),)
+            # two passes, as one device computes them (hapc.collectives.sync_batch_norm): the
+            # per-channel sums and the count, then the sums of squares about the whole batch's mean
+            c = x.shape[1]
+            comm = (Comm("all_reduce", (c + 1) * 4, "full"), Comm("all_reduce", c * 4, "full"))
             out.append(
                 Strategy(
                     (shard(0),) + others,
