@@ -496,3 +496,61 @@ def test_export_captures_mse_loss():
     g = hapc.trace(model, (x, y), capture="export")
     got = g.evaluate({g.inputs[0].name: x, g.inputs[1].name: y})[g.loss.index]
     torch.testing.assert_close(got, model(x, y), rtol=1e-12, atol=0)
+
+
+class _TensorBoundedSlice(nn.Module):
+    """DeBERTa's relative-position window: ``table[m - span : m + span]`` where ``span`` is a
+    ``torch.tensor`` of static sizes (its ``compute_attention_span``), a concrete tensor while fx
+    traces."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(16, 4))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        span = torch.tensor(min(x.size(1), 8))  # 5: concrete, from the traced shape
+        window = self.table[8 - span : 8 + span]  # [10, 4]
+        return (self.lin(x) @ window.t()).square().mean()
+
+
+def test_slice_bounded_by_concrete_integer_tensors_traces_under_fx():
+    """Bounds that are concrete integer tensors slice by their ``__index__``, as eager does: fx
+    kept them as tensor constants, whose meta values have no integer to slice with (DeBERTa
+    failed to trace: ``__cuda_array_interface__`` must be a dict)."""
+    torch.manual_seed(0)
+    model = _TensorBoundedSlice().double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    g = hapc.trace(model, {"x": x}, capture="fx")
+    got = g.evaluate({"x": x})[g.loss.index]
+    torch.testing.assert_close(got, model(x), rtol=1e-12, atol=0)
+    g.run({"x": x}).backward()
+    assert model.table.grad is not None and model.table.grad[:3].abs().sum() == 0  # rows 3..12 read
+    assert model.table.grad[3:13].abs().sum() > 0
+
+
+class _Contrastive(nn.Module):
+    """CLIP's loss shape: scores of every row against every row (``a @ b.T``), cross entropy
+    along both axes (the second through ``.T`` again)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x):
+        scores = self.a(x) @ self.b(x).T
+        target = torch.arange(x.shape[0])
+        return (F.cross_entropy(scores, target) + F.cross_entropy(scores.T, target)) / 2
+
+
+def test_export_captures_dot_T_with_a_rule():
+    """``x.T`` (ATen ``numpy_T``) becomes a transpose under export, so it has a sharding rule:
+    CLIP derived with ``strict=True`` failed on it ('aten::numpy_T has no sharding rule')."""
+    torch.manual_seed(0)
+    model = _Contrastive().double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    g = hapc.trace(model, (x,), capture="export")
+    assert "numpy_T" not in " ".join(str(n.op) for n in g)
+    hapc.derive(g, strict=True)
+    got = g.evaluate({g.inputs[0].name: x})[g.loss.index]
+    torch.testing.assert_close(got, model(x), rtol=1e-12, atol=0)

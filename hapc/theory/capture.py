@@ -52,7 +52,7 @@ _IDENTITY = {"alias", "lift_fresh_copy", "lift_fresh", "clone_preserve"}
 
 #: ops that return a view of their first operand (in-place updates through them are refused)
 _VIEWS = {
-    "view", "reshape", "_unsafe_view", "slice", "select", "transpose", "permute", "expand", "t",
+    "view", "reshape", "_unsafe_view", "slice", "select", "transpose", "permute", "expand", "t", "numpy_T",
     "unsqueeze", "squeeze", "as_strided", "narrow", "unflatten", "flatten", "diagonal", "alias",
     "split", "chunk", "unbind", "view_as", "unfold", "detach",
 }  # fmt: skip
@@ -728,6 +728,16 @@ def _t(t, args, kwargs, node):
     if node.args[0].meta["val"].dim() < 2:  # a 0-d or 1-d tensor's t() is itself
         return args[0]
     return t.emit(torch.transpose, (args[0], 0, 1), {}, node)
+
+
+@special("numpy_T")  # x.T (CLIP's contrastive loss: logits_per_text.T): every dim reversed
+def _numpy_t(t, args, kwargs, node):
+    rank = node.args[0].meta["val"].dim()
+    if rank < 2:
+        return args[0]
+    if rank == 2:
+        return t.emit(torch.transpose, (args[0], 0, 1), {}, node)
+    return t.emit(torch.permute, (args[0], tuple(range(rank - 1, -1, -1))), {}, node)
 
 
 @special("__and__", "__or__", "__xor__")

@@ -171,6 +171,19 @@ def _dict_types(a: Any) -> Any:
     return None
 
 
+def _index_tensor(v: Any) -> bool:
+    """A concrete one-element integer tensor, which Python's slicing reads through ``__index__``."""
+    return isinstance(v, torch.Tensor) and v.numel() == 1 and not (v.is_floating_point() or v.is_complex())
+
+
+def _indexed_slice(a: slice) -> slice:
+    """``x[lo:hi]`` with bounds that are concrete integer tensors (DeBERTa's ``rel_embeddings[m -
+    att_span : m + att_span]``, ``att_span`` a ``torch.tensor`` of static sizes) slices by their
+    ``__index__``, as eager does: the integers, not tensor constants of the graph (which become meta
+    tensors when shapes are computed, and a meta tensor has no value to index with)."""
+    return slice(*(operator.index(v) if _index_tensor(v) else v for v in (a.start, a.stop, a.step)))
+
+
 class _Tracer(fx.Tracer):
     def __init__(self, leaves: tuple[type, ...], registry: Registry, example_inputs: Any):
         autowrap = (*registry.custom_functions.values(), *_library_leaves())
@@ -198,6 +211,8 @@ class _Tracer(fx.Tracer):
         last top-level call -- the output's, when the trace ends -- are kept in ``output_types``
         (:func:`_dict_types`) so the compiled module returns what the model does."""
         top = self._arg_depth == 0
+        if isinstance(a, slice) and any(map(_index_tensor, (a.start, a.stop, a.step))):
+            a = _indexed_slice(a)
         self._arg_depth += 1
         try:
             out = super().create_arg(a)
