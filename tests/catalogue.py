@@ -299,6 +299,14 @@ case("amax", _3d)(
     lambda m, x, y, z: x.amax(1) + x.amin(-1, keepdim=True).sum() + x.prod(0).sum() + x.logsumexp(1).sum()
 )
 case("std", _3d)(lambda m, x, y, z: x.std(1) + x.var(2).sum() + x.norm(dim=1) + x.norm())
+case("vector_norm", _3d)(
+    lambda m, x, y, z: (
+        torch.linalg.vector_norm(x, 2, 1)
+        + torch.linalg.vector_norm(x, 3, (0, 2), True).sum()
+        + torch.linalg.vector_norm(x, dim=-1, keepdim=True).sum()
+        + torch.linalg.vector_norm(x)
+    )
+)
 case("argmax", _3d)(
     lambda m, x, y, z: (
         x.argmax(1)

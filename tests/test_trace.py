@@ -554,3 +554,38 @@ def test_export_captures_dot_T_with_a_rule():
     hapc.derive(g, strict=True)
     got = g.evaluate({g.inputs[0].name: x})[g.loss.index]
     torch.testing.assert_close(got, model(x), rtol=1e-12, atol=0)
+
+
+class _SigmoidPairs(nn.Module):
+    """SigLIP's loss shape: unit-normalised embeddings (``x / x.norm(p=2, dim=-1, keepdim=True)``),
+    every pair scored, ``-logsigmoid(sign * score)`` summed over pairs, averaged over rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x):
+        u, v = self.a(x), self.b(x)
+        u = u / u.norm(p=2, dim=-1, keepdim=True)
+        v = v / v.norm(p=2, dim=-1, keepdim=True)
+        scores = u @ v.t()
+        sign = 2 * torch.eye(x.shape[0], dtype=x.dtype) - 1
+        return -F.logsigmoid(sign * scores).sum() / x.shape[0]
+
+
+def test_export_captures_logsigmoid_and_vector_norm_with_rules():
+    """ATen's ``log_sigmoid`` and ``linalg_vector_norm`` (what export makes of ``F.logsigmoid`` and
+    ``x.norm(p=2, dim=...)``) become ``F.logsigmoid`` and ``torch.linalg.vector_norm``, which have
+    rules: SigLIP derived with ``strict=True`` failed on both."""
+    torch.manual_seed(0)
+    model = _SigmoidPairs().double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    g = hapc.trace(model, (x,), capture="export")
+    theory = hapc.derive(g, strict=True)
+    norms = [n for n in g if n.op == "vector_norm"]
+    assert len(norms) == 2
+    for n in norms:  # rows shard, the normalised dim never does
+        sharded = {s.output.dim for s in theory.strategies[n.index] if s.output.is_sharded}
+        assert sharded == {0}, sharded
+    got = g.evaluate({g.inputs[0].name: x})[g.loss.index]
+    torch.testing.assert_close(got, model(x), rtol=1e-12, atol=0)

@@ -740,6 +740,20 @@ def _numpy_t(t, args, kwargs, node):
     return t.emit(torch.permute, (args[0], tuple(range(rank - 1, -1, -1))), {}, node)
 
 
+@special("log_sigmoid")  # F.logsigmoid (SigLIP's sigmoid loss); ATen's name is no torch function
+def _log_sigmoid(t, args, kwargs, node):
+    return t.emit(F.logsigmoid, (args[0],), {}, node)
+
+
+@special("linalg_vector_norm")  # x.norm(p=2, dim=-1, keepdim=True) under export (SigLIP's embeddings)
+def _vector_norm(t, args, kwargs, node):
+    ord_, dim, keepdim = (
+        _arg(args, kwargs, i, k, d) for i, k, d in ((1, "ord", 2), (2, "dim", None), (3, "keepdim", False))
+    )
+    kw = {"dtype": kwargs["dtype"]} if kwargs.get("dtype") is not None else {}
+    return t.emit(torch.linalg.vector_norm, (args[0],), {"ord": ord_, "dim": dim, "keepdim": keepdim, **kw}, node)
+
+
 @special("__and__", "__or__", "__xor__")
 def _bitwise(t, args, kwargs, node):
     name = node.target._schema.name.split("::")[-1].strip("_")

@@ -73,6 +73,12 @@ def _reduce_fixed(view: OpView):
     return view.annotate(_reduce_spec(view, _dims(view), _keepdim(view), fixed=True))
 
 
+@rule("vector_norm", doc="kept dims shard; reduced dims never do")
+def _vector_norm(view: OpView):
+    """``torch.linalg.vector_norm(x, ord, dim, keepdim)``: ``dim`` is its third argument."""
+    return view.annotate(_reduce_spec(view, _dims(view, 2), _keepdim(view, 3), fixed=True))
+
+
 @rule(["max", "min"], doc="element-wise with two tensors; otherwise kept dims shard")
 def _max(view: OpView):
     """``torch.max(x)``, ``x.max(dim)`` (values and indices) or ``torch.max(a, b)``."""
