@@ -53,6 +53,17 @@ from dataclasses import dataclass
 import numpy as np
 
 INF = math.inf
+#: end the downward walk over ``t_max`` (:meth:`PipelineDP.solve`) once ``F(t) + (B - 1) t_lo``
+#: reaches the best value found (exact; False: walk down to ``t_S`` as before), with ``t_lo`` the
+#: least of ``t_S`` and :meth:`PipelineDP.lower_bound`, less :data:`ROUNDING`. ``F`` only grows as
+#: ``t_max`` falls -- the plans feasible at ``t' < t`` are a subset of those at ``t`` (``t_s, c <= t'``
+#: implies ``<= t``, and ``δ(c, t) <= δ(c, t')`` so warm-ups, hence memory, are no larger), and each
+#: plan's ``Σ (t_s + 2 c_s)`` is summed in the same order whatever ``t_max`` is, so the float minimum
+#: over the subset is no smaller -- and a plan's own ``t_max`` (:meth:`PipelineDP.own_t_max`) is at
+#: least its slowest stage and link, so at least ``t_lo``: every value below ``t`` is
+#: ``>= F(t) + (B - 1) t_lo``. A tie never replaced the best found (``value < best``), so the
+#: solution is the one the whole walk returns.
+STOP_WALK = True
 
 
 @dataclass(frozen=True)
@@ -181,6 +192,7 @@ class PipelineDP:
         reach = 3 * min(D, L) - 2  # the largest warm-up count any plan has
         self.cap = min(self.B, reach)  # finite bounds >= cap are unconstrained
         self._build_index()
+        self._slots: dict[int, np.ndarray] = {}  # per Kr: the slot of G each (delta, Nmax) class reads (_values)
         self.runs = 0
 
     # -- the sparse candidate index -----------------------------------------------------------
@@ -265,8 +277,12 @@ class PipelineDP:
         }
         self.K = K = min(self.cap, self.max_finite + 1)  # finite bounds 0..K-1; index K is "any"
         for arr in self.index:  # flat offsets of G[j+1, p', 0] and Nmax as a bound index
-            arr["base"] = (arr["ni"].astype(np.int64) * (self.D + 1) + arr["np"].astype(np.int64)) * (K + 1)
+            arr["base"] = (arr["ni"].astype(np.int64) * (self.D + 1) + arr["np"].astype(np.int64)) * (K + 2)
             arr["nm"] = np.where(np.isfinite(arr["nmax"]), arr["nmax"], K).astype(np.int64)
+            # per run, a row is usable where max(t, c) <= t_max (the same test as t <= t_max and
+            # c <= t_max); t + 2c is what a transition adds, the same floats whatever t_max is
+            arr["tc_max"] = np.maximum(arr["t"], arr["c"])
+            arr["step"] = arr["t"] + 2 * arr["c"]
 
     def _rows(self, i: int, o: int, mem: float) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
         """The stages starting at layer ``i`` on option ``o`` that fit one micro-batch: ``(last
@@ -316,39 +332,47 @@ class PipelineDP:
 
     # -- one t_max ---------------------------------------------------------------------------
     def run(self, tau: float) -> np.ndarray:
-        """The table ``G[i, p, b]`` of Eq. 13 for ``t_max = tau``."""
+        """The table of Eq. 13 for ``t_max = tau``: ``G[i, p, b + 1]`` holds ``G(i, p, b)``, and
+        ``G[..., 0]`` is infinite (a bound below 0: no plan), which a transition whose warm-up
+        exceeds the suffix's bound reads (:meth:`_values`)."""
         self.runs += 1
         K, L, D = self.K, self.L, self.D
         self.Kr = min(K, self.reach(tau) + 1)  # bounds >= the largest warm-up at tau are "any"
-        G = np.full((L + 1, D + 1, K + 1), INF)
-        G[L, D, :] = 0.0
+        G = np.full((L + 1, D + 1, K + 2), INF)
+        G[L, D, 1:] = 0.0
         bs = np.arange(self.Kr + 1)
         for i in range(L - 1, -1, -1):
             a = self.index[i]
             if not len(a["t"]):
                 continue
-            m = (a["t"] <= tau) & (a["c"] <= tau)
-            if not m.any():
+            rows = np.flatnonzero(a["tc_max"] <= tau)  # t <= tau and c <= tau
+            if not len(rows):
                 continue
-            vals = self._values(a, m, tau, G, bs)
-            p = a["p"][m]
+            vals = self._values(a, rows, tau, G, bs)
+            p = a["p"].take(rows)
             starts = np.flatnonzero(np.concatenate(([True], p[1:] != p[:-1])))  # (np.r_ costs 0.1 ms a call)
-            G[i, p[starts].astype(int), : self.Kr + 1] = np.minimum.reduceat(vals, starts, axis=0)
+            G[i, p[starts].astype(int), 1 : self.Kr + 2] = np.minimum.reduceat(vals, starts, axis=0)
         return G
 
-    def _values(self, a: dict, m: np.ndarray, tau: float, G: np.ndarray, bs: np.ndarray) -> np.ndarray:
+    def _values(self, a: dict, rows: np.ndarray, tau: float, G: np.ndarray, bs: np.ndarray) -> np.ndarray:
+        """The values of the transitions ``rows`` (indices into ``a``, or a boolean mask) at every
+        bound ``b <= Kr``: ``t + 2c`` plus the suffix's ``G`` at bound ``min(b, Nmax) - δ``."""
+        if rows.dtype == bool:
+            rows = np.flatnonzero(rows)
         K = self.Kr
-        t, c = a["t"][m], a["c"][m]
-        d = delta(c, tau, self.eps)
-        nm = np.minimum(a["nm"][m], K)  # Nmax as a bound index (K: unconstrained)
-        idx = np.minimum(bs[None, :], nm[:, None])
-        idx = np.where(idx >= K, K, idx - d[:, None])
-        neg = idx < 0
-        np.maximum(idx, 0, out=idx)
-        idx += a["base"][m][:, None]
+        d = delta(a["c"].take(rows), tau, self.eps)
+        nm = np.minimum(a["nm"].take(rows), K)  # Nmax as a bound index (K: unconstrained)
+        # the slot of G each (delta, Nmax) class reads at each bound b, from one small table:
+        # min(b, Nmax) - delta + 1, K + 1 where min(b, Nmax) >= K ("any"), 0 (infinite) below 0
+        slots = self._slots.get(K)
+        if slots is None:
+            j = np.minimum(bs[None, :], np.arange(K + 1)[:, None])  # [Nmax, b]
+            slots = np.concatenate([np.where(j >= K, K + 1, np.maximum(j - dd + 1, 0)) for dd in (1, 2, 3)])
+            self._slots[K] = slots
+        idx = slots[(d - 1) * (K + 1) + nm]
+        idx += a["base"].take(rows)[:, None]
         vals = G.ravel()[idx]
-        vals += (t + 2 * c)[:, None]
-        vals[neg] = INF
+        vals += a["step"].take(rows)[:, None]
         return vals
 
     def reach(self, tau: float) -> int:
@@ -438,7 +462,7 @@ class PipelineDP:
         def at(tau: float) -> tuple[float, list[StageChoice] | None]:
             if tau not in cache:
                 G = self.run(tau)
-                f = float(G[0, 0, self.Kr])
+                f = float(G[0, 0, self.Kr + 1])
                 cache[tau] = (f, self.trace(G, tau) if math.isfinite(f) else None)
             return cache[tau]
 
@@ -462,6 +486,9 @@ class PipelineDP:
         f, stages = at(t_s)
         best = (f + (self.B - 1) * t_s, t_s, stages)
         k = int(np.searchsorted(cands, best[0] / self.B, side="right")) - 1
+        # no plan's own t_max is below this (see STOP_WALK; t_S itself may be: lower_bound() is
+        # summed otherwise than the index's prefix differences, and can exceed one by an ulp)
+        floor = min(t_s, self.lower_bound()) * (1 - ROUNDING)
         while k > lo:
             tau = float(cands[k])
             f, stages = at(tau)
@@ -471,6 +498,8 @@ class PipelineDP:
             nxt = int(np.searchsorted(cands, used, side="left")) - 1
             if value < best[0]:
                 best = (value, used, stages)
+            if STOP_WALK and f + (self.B - 1) * floor >= best[0]:
+                break  # every candidate below tau is worth at least this (STOP_WALK's note)
             k = min(nxt, int(np.searchsorted(cands, best[0] / self.B, side="right")) - 1)
         value, tau, stages = best
         return Solution(stages, tau, value, self.warmups(stages, tau), self.runs, len(cands))
