@@ -336,6 +336,62 @@ def convnext_hf(batch: int = 4) -> tuple[nn.Module, dict]:
     return t.ConvNextForImageClassification(cfg), dict(pixel_values=pixels, labels=torch.arange(batch) % 10)
 
 
+def clip(batch: int = 4) -> tuple[nn.Module, dict]:
+    """CLIP with ``return_loss=True``: the contrastive loss reads every text embedding against
+    every image embedding of the batch (``text @ image.T``, cross entropy along both axes), so
+    a plan that splits the batch must bring the other ranks' rows in: per-rank losses over local
+    pairs would be a different, silently wrong loss. ``logits_per_image`` (the transpose, which the
+    loss does not read) comes back as None."""
+    t = _hf()
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    cfg = t.CLIPConfig(text_config=dict(**tower, vocab_size=100, max_position_embeddings=32),
+                       vision_config=dict(**tower, image_size=32, patch_size=8), projection_dim=16)  # fmt: skip
+    pixels = torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    return t.CLIPModel(cfg), dict(input_ids=_tokens(batch, 8), pixel_values=pixels, return_loss=True)
+
+
+def deberta(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
+    """DeBERTa masked LM with disentangled attention as microsoft/deberta-base configures it
+    (content-to-position and position-to-content scores from a shared relative-position table,
+    ``relative_attention=True``, no absolute positions): its window ``table[m - span : m + span]``
+    is bounded by a ``torch.tensor`` of static sizes. Its layer norm computes in float32, whose
+    backward rounding depends on the order gradients are summed (hapc's trace merges its two equal
+    ``x - mean``): compared as the float32 losses are."""
+    t = _hf()
+    cfg = t.DebertaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                          vocab_size=100, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                          attention_probs_dropout_prob=0.0, relative_attention=True, pos_att_type=["c2p", "p2c"],
+                          max_relative_positions=16, position_biased_input=False)  # fmt: skip
+    return _lm(t.DebertaForMaskedLM(cfg), batch, seq)
+
+
+def deberta_v2(batch: int = 4, seq: int = 16) -> tuple[nn.Module, dict]:
+    """DeBERTa-v2/v3 masked LM with disentangled attention as microsoft/deberta-v3-base configures
+    it: relative positions in log buckets, a layer-normed position table shared with the keys'
+    and queries' projections (``share_att_key``), helpers that are ``@torch.jit.script``
+    functions called by their global names."""
+    t = _hf()
+    cfg = t.DebertaV2Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                            vocab_size=100, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0, relative_attention=True, pos_att_type=["p2c", "c2p"],
+                            position_buckets=8, max_relative_positions=16, norm_rel_ebd="layer_norm",
+                            share_att_key=True, position_biased_input=False)  # fmt: skip
+    return _lm(t.DebertaV2ForMaskedLM(cfg), batch, seq)
+
+
+def whisper(batch: int = 4) -> tuple[nn.Module, dict]:
+    """Whisper: a convolutional audio encoder over log-mel features (8 bins, 32 frames, stride 2)
+    and a text decoder trained on ``labels`` (shifted into decoder inputs)."""
+    t = _hf()
+    cfg = t.WhisperConfig(vocab_size=100, num_mel_bins=8, encoder_layers=1, decoder_layers=1, d_model=32,
+                          encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                          decoder_ffn_dim=64, max_source_positions=16, max_target_positions=32,
+                          decoder_start_token_id=1, pad_token_id=0, dropout=0.0, attention_dropout=0.0,
+                          activation_dropout=0.0)  # fmt: skip
+    features = torch.randn(batch, 8, 32, generator=torch.Generator().manual_seed(0))
+    return t.WhisperForConditionalGeneration(cfg), dict(input_features=features, labels=_tokens(batch, 8, 100, 1))
+
+
 #: name -> (factory, the library it needs)
 MODELS: dict[str, tuple[Callable[..., tuple[nn.Module, Any]], str]] = {
     "gpt2": (gpt2, "transformers"),
@@ -366,11 +422,17 @@ MODELS: dict[str, tuple[Callable[..., tuple[nn.Module, Any]], str]] = {
     "qwen2-moe": (qwen2_moe, "transformers"),
     "albert": (albert, "transformers"),
     "convnext-hf": (convnext_hf, "transformers"),
+    "clip": (clip, "transformers"),
+    "deberta": (deberta, "transformers"),
+    "deberta-v2": (deberta_v2, "transformers"),
+    "whisper": (whisper, "transformers"),
 }
 
 
-#: compile options a model needs in every case (Swin's exact search runs for minutes: a time limit)
-OPTIONS: dict[str, dict[str, Any]] = {"swin-hf": {"time_limit": 10}}
+#: compile options a model needs in every case (the exact searches of Swin and DeBERTa -- its
+#: disentangled attention's position-score chains -- run for minutes: a time limit)
+OPTIONS: dict[str, dict[str, Any]] = {"swin-hf": {"time_limit": 10}, "deberta": {"time_limit": 10},
+                                      "deberta-v2": {"time_limit": 10}}  # fmt: skip
 
 
 def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float64) -> tuple[nn.Module, Any]:
@@ -378,8 +440,9 @@ def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float64) -> tuple
     torch.manual_seed(seed)
     model, batch = MODELS[name][0]()
     model = model.to(dtype)
-    if isinstance(batch, dict):
-        batch = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
-    else:
-        batch = tuple(v.to(dtype) if v.is_floating_point() else v for v in batch)
+
+    def cast(v: Any) -> Any:  # flags (CLIP's return_loss=True) stay as they are
+        return v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+
+    batch = {k: cast(v) for k, v in batch.items()} if isinstance(batch, dict) else tuple(cast(v) for v in batch)
     return model, batch

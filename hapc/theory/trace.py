@@ -376,7 +376,7 @@ def trace(
             with _no_state_assignment(), _bincount_with_minlength_as_one_hot():
                 return _trace_export(model, example_inputs, loss)
         except TraceError as export_error:
-            if hint := _experts_loop_hint(model, export_error):
+            if hint := _library_hint(model, export_error):
                 raise TraceError(f"{export_error}\n  {hint}") from export_error
             raise
     buffers = {k: b.detach().clone() for k, b in model.named_buffers() if b.device.type != "meta"}
@@ -395,7 +395,7 @@ def trace(
             with _no_state_assignment(), _bincount_with_minlength_as_one_hot():
                 return _trace_export(model, example_inputs, loss)
         except TraceError as export_error:
-            hint = _experts_loop_hint(model, export_error)
+            hint = _library_hint(model, export_error)
             raise TraceError(
                 f"{fx_error}\n  (torch.export could not capture it either: {export_error})"
                 + (f"\n  {hint}" if hint else "")
@@ -441,6 +441,21 @@ def _experts_loop_hint(model: nn.Module, exc: TraceError) -> str | None:
         '(transformers\' default; float32 / bfloat16 only on CPU) or "batched_mm", which hapc captures '
         "as one static graph"
     )
+
+
+def _library_hint(model: nn.Module, exc: TraceError) -> str | None:
+    """The fix, where a library model fails to capture in a mode its config chose and another
+    mode of the same model captures: :func:`_experts_loop_hint`, and BigBird's block-sparse
+    attention (``attention_type="block_sparse"``: blocks gathered by random indices drawn in
+    NumPy and assembled in place), whose ``"original_full"`` attention trains as one device."""
+    hint = _experts_loop_hint(model, exc)
+    config = getattr(model, "config", None)
+    if hint is None and getattr(config, "attention_type", None) == "block_sparse" and "in-place" in str(exc):
+        hint = (
+            f'{type(model).__name__} uses block-sparse attention (attention_type="block_sparse": random '
+            'blocks, assembled in place): build it with attention_type="original_full", which hapc captures'
+        )
+    return hint
 
 
 def _mutation_error(exc: TraceError) -> bool:
