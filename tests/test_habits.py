@@ -26,8 +26,10 @@ from torch import nn
 
 import hapc
 from hapc import models
+from hapc.balance.rounding import bounds
 from hapc.codegen.dcp_shards import ShardEntry
 from hapc.testing import cluster_of, run_distributed
+from hapc.theory.instructions import Source
 
 F64 = torch.float64
 CLUSTERS = {2: cluster_of([3e9, 1e9]), 3: cluster_of([5e9, 3e9, 2e9])}
@@ -289,12 +291,19 @@ def test_an_optimizer_over_the_original_parameters_is_refused(world, kind):
 # -- item 2: ranks given different targets the plan takes whole ---------------------------------------
 
 
+def _masked(y: torch.Tensor, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)  # per-rank random -100 masking when seeded by rank
+    return y.masked_fill(torch.rand(y.shape, generator=g) < 0.3, -100)
+
+
 def _masked_targets(rank, world, alias, plan, same, sync):
     model, (x, y) = models.load(alias, dtype=F64)
     m = hapc.compile(model, CLUSTERS[world], (x, y), plan=plan, loss_sync=sync)
-    g = torch.Generator().manual_seed(0 if same else 1 + rank)  # per-rank random -100 masking
-    masked = y.masked_fill(torch.rand(y.shape, generator=g) < 0.3, -100)
-    if same:
+    masked = _masked(y, 0 if same else 1 + rank)
+    name = [n.name for n in m._graph_inputs][1]
+    if same or name not in dict(m._whole_inputs):
+        # a plan that shards the targets takes each rank's rows of its own (README: different whole
+        # batches from the first call on all-reduce their counts): exact on that mixed batch
         loss = m(x, masked)
         loss.backward()
         return loss.item(), m.full_gradients()
@@ -316,21 +325,38 @@ def _masked_targets(rank, world, alias, plan, same, sync):
 @pytest.mark.parametrize("world, kind", PLANS)
 @pytest.mark.parametrize("alias", ["mlp", "gpt"])
 def test_ranks_given_different_whole_targets_are_refused(alias, world, kind, sync):
+    # a plan that takes the targets whole refuses ranks given different ones; a plan that shards
+    # them trains exactly on the batch of each rank's rows of its own targets (its counts all-reduced)
     plan = _plan(alias, world, kind)
     model, (x, y) = models.load(alias, dtype=F64)
     name = [n.name for n in hapc.trace(model, (x, y)).inputs][1]
-    errors = run_distributed(_masked_targets, world, alias, plan, False, sync)
-    assert len(set(errors)) == 1, "the same text on every rank"
-    assert f"input {name!r} differs between the ranks" in errors[0]
-    assert "the plan takes it whole" in errors[0] and "seeded alike on every rank" in errors[0]
+    whole = any(
+        isinstance(ins, Source) and plan._theory.graph[ins.ref].name == name and not ins.layout.is_sharded
+        for ins in plan.instructions
+    )
+    results = run_distributed(_masked_targets, world, alias, plan, False, sync)
+    if whole:
+        assert len(set(results)) == 1, "the same text on every rank"
+        assert f"input {name!r} differs between the ranks" in results[0]
+        assert "the plan takes it whole" in results[0] and "seeded alike on every rank" in results[0]
+        return
+    assert kind == "default", "the TP plan takes the targets whole"
+    ref = next(n.index for n in plan._theory.graph.inputs if n.name == name)
+    spans = bounds(plan._theory.local_sizes(ref, 0, plan.device_ratios))
+    mixed = torch.cat([_masked(y, 1 + r)[lo:hi] for r, (lo, hi) in enumerate(spans)])
+    loss = model(x, mixed)
+    loss.backward()
+    want = {k: p.grad for k, p in model.named_parameters()}
+    for value, grads in results:
+        assert value == pytest.approx(loss.item(), rel=1e-12)
+        assert_close(grads, want, F64, "grads")
 
 
 @pytest.mark.parametrize("world, kind", PLANS)
 def test_ranks_given_the_same_masked_targets_train_exactly(world, kind):
     alias = "gpt"
     model, (x, y) = models.load(alias, dtype=F64)
-    masked = y.masked_fill(torch.rand(y.shape, generator=torch.Generator().manual_seed(0)) < 0.3, -100)
-    loss = model(x, masked)
+    loss = model(x, _masked(y, 0))
     loss.backward()
     want = {k: p.grad for k, p in model.named_parameters()}
     for value, grads in run_distributed(_masked_targets, world, alias, _plan(alias, world, kind), True, "lazy"):

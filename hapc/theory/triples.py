@@ -236,6 +236,7 @@ class _Builder:
         self.strategies: dict[int, list[Strategy]] = {}
         self.gran = Granularity()
         self.static = _static_nodes(graph)
+        self.param_free = _param_free_nodes(graph)
         self._strategy_cache: dict[tuple | None, list[Strategy]] = {}
         self.unsupported: list[str] = []
         self.half_copies: dict[int, int] = {}  # parameter -> bytes of its autocast copy (precision)
@@ -383,6 +384,15 @@ class _Builder:
             scaling = {"padded": "max", "grouped": "each"}.get(variant, "full")
             if op == "all_to_all":
                 scaling = "max"
+            if op == "all_reduce" and not grad and n.index in self.param_free:
+                # a value of the inputs alone (a mean loss's token count): the runtime computes its
+                # sum from the whole batch when every rank has it, else starts the all-reduce at the
+                # top of the program, hidden behind the forward (RankProgram._hoist_data_only); it
+                # costs no time and synchronises nothing, so it opens no stage (HAP Fig. 6)
+                ins = Collective(n.index, op, src, dst, variant)
+                return Triple(
+                    frozenset({Prop(n.index, src)}), frozenset({Prop(n.index, dst)}), (ins,), CostProfile(), token
+                )
             cost = CostProfile(
                 fwd_comm=(Comm(fwd, nbytes, scaling),) if fwd else (),
                 bwd_comm=(Comm(bwd, nbytes, scaling),) if bwd and grad else (),
@@ -552,6 +562,15 @@ def _static_nodes(g: RefGraph) -> set[int]:
         if n.kind in (PARAM, BUFFER) or (n.kind == OP and all(o in static for o in n.operands)):
             static.add(n.index)
     return static
+
+
+def _param_free_nodes(g: RefGraph) -> set[int]:
+    """Nodes no parameter flows into: inputs, buffers, constants and what is computed from them."""
+    free: set[int] = set()
+    for n in g:
+        if n.kind != PARAM and (n.kind != OP or all(o in free for o in n.operands)):
+            free.add(n.index)
+    return free
 
 
 def _prune(triples: list[Triple]) -> list[Triple]:
