@@ -80,7 +80,9 @@ def test_one_device_costs_equal_the_synthesized_optimum(monkeypatch, name, kwarg
 @pytest.mark.parametrize("name", ["gpt", "bert"])
 def test_stage_costs_without_the_incumbent_equal_those_with_it(monkeypatch, name):
     """Stage costs synthesize without the data-parallel incumbent (outside a time limit): it only
-    bounds the exact passes, so every sub-mesh's columns are those found with it, bit for bit."""
+    bounds the exact passes, so every sub-mesh's columns are those found with it, bit for bit, and
+    its program time the same optimum (to rounding: where the incumbent ties the optimum, e.g. a
+    free token-count all-reduce against taking the targets whole, the sum runs in another order)."""
     model, inputs = models.load(name, batch=8)
     theory = derive(trace(model, inputs), **OPTIONS)
     layers = build_layers(theory.graph)
@@ -91,7 +93,7 @@ def test_stage_costs_without_the_incumbent_equal_those_with_it(monkeypatch, name
         coster = StageCoster(theory, layers, cl)
         got[incumbent] = [coster.layer_costs("v100", n) for n in (2, 4, 8, 16)]
     for n, a, b in zip((2, 4, 8, 16), got[True], got[False]):
-        assert a.program_time == b.program_time, n
+        assert a.program_time == pytest.approx(b.program_time, rel=1e-12), n
         for k in FIELDS:
             assert np.array_equal(getattr(a, k), getattr(b, k)), (n, k)
 
