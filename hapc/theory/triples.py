@@ -389,15 +389,13 @@ class _Builder:
                 # sum from the whole batch when every rank has it, else starts the all-reduce at the
                 # top of the program, hidden behind the forward (RankProgram._hoist_data_only); it
                 # costs no time and synchronises nothing, so it opens no stage (HAP Fig. 6)
-                ins = Collective(n.index, op, src, dst, variant)
-                return Triple(
-                    frozenset({Prop(n.index, src)}), frozenset({Prop(n.index, dst)}), (ins,), CostProfile(), token
+                cost = CostProfile()
+            else:
+                cost = CostProfile(
+                    fwd_comm=(Comm(fwd, nbytes, scaling),) if fwd else (),
+                    bwd_comm=(Comm(bwd, nbytes, scaling),) if bwd and grad else (),
+                    act_bytes=Linear.split(nbytes, dst.is_sharded) if grad else Linear(),
                 )
-            cost = CostProfile(
-                fwd_comm=(Comm(fwd, nbytes, scaling),) if fwd else (),
-                bwd_comm=(Comm(bwd, nbytes, scaling),) if bwd and grad else (),
-                act_bytes=Linear.split(nbytes, dst.is_sharded) if grad else Linear(),
-            )
             ins = Collective(n.index, op, src, dst, variant)
             return Triple(frozenset({Prop(n.index, src)}), frozenset({Prop(n.index, dst)}), (ins,), cost, token)
 
