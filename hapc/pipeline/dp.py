@@ -355,10 +355,8 @@ class PipelineDP:
         return G
 
     def _values(self, a: dict, rows: np.ndarray, tau: float, G: np.ndarray, bs: np.ndarray) -> np.ndarray:
-        """The values of the transitions ``rows`` (indices into ``a``, or a boolean mask) at every
-        bound ``b <= Kr``: ``t + 2c`` plus the suffix's ``G`` at bound ``min(b, Nmax) - δ``."""
-        if rows.dtype == bool:
-            rows = np.flatnonzero(rows)
+        """The values of the transitions ``rows`` (indices into ``a``) at every bound ``b <= Kr``:
+        ``t + 2c`` plus the suffix's ``G`` at bound ``min(b, Nmax) - δ``."""
         K = self.Kr
         d = delta(a["c"].take(rows), tau, self.eps)
         nm = np.minimum(a["nm"].take(rows), K)  # Nmax as a bound index (K: unconstrained)
@@ -392,11 +390,10 @@ class PipelineDP:
         out = []
         while i < self.L:
             a = self.index[i]
-            m = (a["t"] <= tau) & (a["c"] <= tau) & (a["p"] == p)
+            rows = np.flatnonzero((a["tc_max"] <= tau) & (a["p"] == p))
             bs = np.arange(self.Kr + 1)
-            vals = self._values(a, m, tau, G, bs)[:, b]
+            vals = self._values(a, rows, tau, G, bs)[:, b]
             k = int(np.argmin(vals))
-            rows = np.flatnonzero(m)
             r = rows[k]
             d = int(delta(a["c"][r], tau, self.eps))
             nmax = a["nmax"][r]
