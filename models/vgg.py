@@ -6,6 +6,14 @@ number is torchvision's VGG19 with 10 classes: its ``AdaptiveAvgPool2d((7, 7))``
 map to 7x7 (49 copies of each channel), so the first classifier layer is 25088 x 4096 (102.8M) and
 the model has 139.6M parameters = 133.1 * 2**20 -- HAP counts in units of 2**20. ``pool=7`` (the
 default for the paper sizes) builds exactly that model; ``pool=None`` the plain 39M CIFAR variant.
+
+``small`` is VGG19 at a quarter of its width: every conv's channels / 4 (16 ... 128) and the
+classifier's hidden width / 4 (1024), with the same 7x7 pool. Each weight matrix then has 1/16 of
+VGG19's entries, so the parameters split as VGG19's do: 8,736,282 in all, 1,252,880 (14.3 %) in the
+convolutions and 6,423,552 (73.5 %; VGG19 73.6 %) in the first classifier layer, 6272 x 1024. It is
+the benchmarks' VGG-like case (``benchmarks/hetero_speedup.py``, batch 32 of 32x32 images): a CPU
+step of tens of milliseconds for which hapc shards the first classifier layers, as HAP does VGG19's:
+their gradient all-reduce costs more than the activation collectives that sharding needs instead.
 """
 
 from __future__ import annotations
@@ -19,12 +27,13 @@ from .layers import build
 #: channel counts per conv, "M" = 2x2 max-pool
 CONFIGS = {
     "tiny": [8, "M", 16, "M"],
+    "small": [16, 16, "M", 32, 32, "M", 64, 64, 64, 64, "M", 128, 128, 128, 128, "M", 128, 128, 128, 128, "M"],
     "vgg11": [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
     "vgg19": [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M", 512, 512, 512, 512, "M"],
 }
-HIDDEN = {"tiny": 32, "vgg11": 4096, "vgg19": 4096}
+HIDDEN = {"tiny": 32, "small": 1024, "vgg11": 4096, "vgg19": 4096}
 #: torchvision's adaptive average pool before the classifier (HAP's VGG19); None: none
-POOL = {"tiny": None, "vgg11": 7, "vgg19": 7}
+POOL = {"tiny": None, "small": 7, "vgg11": 7, "vgg19": 7}
 _DEFAULT = object()
 
 
@@ -76,7 +85,7 @@ def vgg(
     seed: int = 0,
     pool: int | None = _DEFAULT,  # type: ignore[assignment]
 ) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
-    """A VGG of a named size; ``pool`` (default: 7 for vgg11/vgg19, none for tiny) is the side of
+    """A VGG of a named size; ``pool`` (default: 7 for small/vgg11/vgg19, none for tiny) is the side of
     torchvision's adaptive average pool before the classifier (see the module docstring)."""
     pool = POOL[size] if pool is _DEFAULT else pool
     model = build(

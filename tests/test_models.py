@@ -50,6 +50,16 @@ def test_vgg19_is_haps_133m() -> None:
     assert n_params(plain) == conv + 512 * 4096 + 4096 + 4096 * 4096 + 4096 + 4096 * 10 + 10
 
 
+def test_vgg_small_is_vgg19_at_quarter_width() -> None:
+    # every conv's channels and the hidden width / 4: each weight matrix 1/16 of VGG19's
+    widths = [16, 16, 32, 32, 64, 64, 64, 64] + [128] * 8
+    conv = sum(a * b * 9 + b for a, b in zip([3, *widths[:-1]], widths))
+    fc1 = 128 * 49 * 1024 + 1024
+    model, _ = models.vgg("small", device="meta")
+    assert n_params(model) == conv + fc1 + 1024 * 1024 + 1024 + 1024 * 10 + 10 == 8_736_282
+    assert (conv, fc1) == (1_252_880, 6_423_552)  # 14.3 % and 73.5 % of the model (VGG19: 14.3 %, 73.6 %)
+
+
 def test_vit_is_haps_54m() -> None:
     model, _ = models.load("vit-hap")
     assert round(n_params(model) / MI) == 54  # HAP Table 1
