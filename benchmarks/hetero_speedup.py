@@ -1,9 +1,10 @@
 """Does hapc's uneven plan beat an even split on ranks of different speeds, measured? (issue 15)
 
-Two local gloo processes, each pinned to a core of its own, the second throttled to half a core by
-the CFS quota (:mod:`hapc.emulate`; labelled **emulated** in every output). The cluster hapc plans for
-is *measured* on those processes by ``hapc.profile`` (as ``hapc profile --local 2 --speeds 1,0.5``
-does), so the speeds come from the machine, not from a preset; its collectives are timed by what
+Two local gloo processes, each pinned to a core of its own, the second slowed to half a core by a
+rival process sharing its core (:mod:`hapc.emulate`; labelled **emulated** in every output). The
+cluster hapc plans for is *measured* on those processes by ``hapc.profile`` (as ``hapc profile
+--local 2 --speeds 1,0.5`` does), so the speeds come from the machine, not from a preset; its
+collectives are timed by what
 the runtime's implementation adds to a program computing between them
 (``hapc.profile.measure_collectives(marginal=True)``, as ``benchmarks/fidelity.py`` does). For each
 model, in the same processes and interleaved in blocks (noise hits all alike):
@@ -252,8 +253,8 @@ def _main(isolation: str | None) -> int:
     ratios = [r["flops"] for r in each]
     other = {k: v for k, v in _speed_ratios(cluster).items() if k != "flops"}
     console.print(
-        f"[bold]emulated[/] ranks at {SPEEDS} of a core (cgroup {method} CFS quota on the compute thread, pinned); "
-        "profiled flops "
+        f"[bold]emulated[/] ranks at {SPEEDS} of a core (cgroup {method}: compute threads pinned, a weighted "
+        "rival on the slow core); profiled flops "
         + ", ".join(f"{f / 1e9:.1f} GF/s" for f in flops)
         + f" (ratio {flops[1] / flops[0]:.2f}); load average {load:.1f}; isolation from the host: {isolation}"
     )
@@ -345,7 +346,7 @@ def _main(isolation: str | None) -> int:
             console.print(f"FSDP2 on {r['model']}: {r['fsdp2']}")
     result = {
         "emulated": True,
-        "method": f"cgroup {method} CFS quota on each rank's compute thread, {emulate.PERIOD_US} us period, pinned",
+        "method": f"cgroup {method}: each rank's compute thread pinned, a weighted rival on the slow one's core",
         "speeds": SPEEDS,
         "profiled_flops": flops,
         "profiled_ratios": ratios,

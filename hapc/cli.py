@@ -624,7 +624,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument(
         "--speeds",
         metavar="S,S,...",
-        help="with --local: each rank's speed as a fraction of one core, e.g. 1,0.5 (emulated by CPU quota)",
+        help="with --local: each rank's speed as a fraction of one core, e.g. 1,0.5 (emulated: a rival takes the rest)",
     )
     f.add_argument(
         "--marginal",

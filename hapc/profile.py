@@ -515,7 +515,7 @@ def profile(
     timing = {"reps": reps, "window": window, "synced": True}
     if os.environ.get("HAPC_EMULATED_SPEED") is not None and len(os.sched_getaffinity(0)) == 1:
         # a rank of hapc.emulate on a core of its own: nothing shared to wait for, and a loop spanning
-        # many CFS periods (10 ms) so that the quota, not the phase of the period, sets the rate
+        # many scheduler slices so that the rival's share (or the quota's), not the phase, sets the rate
         timing = {"reps": reps, "window": max(window, 0.2), "synced": False}
     mine = DeviceReport(
         host=socket.gethostname(),

@@ -1,43 +1,119 @@
 """Emulated heterogeneous ranks (issue 15, hapc.emulate): a rank at speed s is pinned to a core of its
-own and its process sits in a cgroup whose CFS quota is s of the period; speeds are validated; the
-profile of such ranks has one device group per speed, labelled emulated. No timing is asserted."""
+own, and its compute thread shares that core with a rival process weighted to leave it s of the core
+(a CFS quota where ranks share cores); the rival dies with its rank; speeds are validated; the profile
+of such ranks has one device group per speed, labelled emulated. No timing is asserted."""
 
 from __future__ import annotations
 
 import os
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
 from hapc import emulate
-from hapc.errors import HapcError
+from hapc.errors import DistributedRunError, HapcError
 from hapc.testing import run_distributed
 
 needs_cgroup = pytest.mark.skipif(emulate.how() is None, reason="no writable cgroup cpu controller here")
 
 
-def _where(rank, world):
-    lines = open(f"/proc/{os.getpid()}/cgroup").read().splitlines()
-    group = next((ln.split(":", 2)[2] for ln in lines if ln.split(":")[1] in ("cpu", "cpu,cpuacct", "")), "/")
-    quota = None
-    for root, name in (("/sys/fs/cgroup/cpu", "cpu.cfs_quota_us"), ("/sys/fs/cgroup", "cpu.max")):
+def _group(pid: int | str = "self") -> str:
+    lines = open(f"/proc/{pid}/cgroup").read().splitlines()
+    return next((ln.split(":", 2)[2] for ln in lines if ln.split(":")[1] in ("cpu", "cpu,cpuacct", "")), "/")
+
+
+def _read(group: str, name: str) -> str | None:
+    for root in ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup"):
         path = os.path.join(root, group.lstrip("/"), name)
         if group != "/" and os.path.isfile(path):
-            quota = open(path).read().split()[0]
-            break
-    return sorted(os.sched_getaffinity(0)), os.environ.get(emulate.SPEED_ENV), group, quota
+            return open(path).read().strip()
+    return None
+
+
+def _where(rank, world):
+    """(this thread's cores, speed variable, control group, its quota, the rival's pid, cores, weight)."""
+    group = _group(f"{os.getpid()}/task/{threading.get_native_id()}")
+    quota = _read(group, "cpu.cfs_quota_us") or (_read(group, "cpu.max") or "").split(" ")[0] or None
+    rival = weight = cores = None
+    if group.rsplit("/", 1)[-1].startswith("hapc-"):
+        pids = (_read(group + "/rival", "tasks") or _read(group + "/rival", "cgroup.procs") or "").split()
+        if pids:
+            rival = int(pids[0])
+            cores = sorted(os.sched_getaffinity(rival))
+            weight = int(_read(group + "/rival", "cpu.shares") or _read(group + "/rival", "cpu.weight"))
+    return sorted(os.sched_getaffinity(0)), os.environ.get(emulate.SPEED_ENV), group, quota, rival, cores, weight
+
+
+def _gone(pid: int, within: float = 5.0) -> bool:
+    """Has process ``pid`` exited (absent, or a zombie) within ``within`` seconds?"""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _groups_removed(group: str) -> bool:
+    roots = ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup")
+    return not [r for r in roots if os.path.isdir(os.path.join(r, group.lstrip("/")))]
 
 
 @needs_cgroup
-def test_a_slow_rank_runs_in_its_own_throttled_group():
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the rival needs a core per rank")
+def test_a_slow_rank_shares_its_core_with_a_rival_that_dies_with_it():
     fast, slow = run_distributed(_where, 2, speeds=[1.0, 0.5])
     assert fast[1] == "1" and slow[1] == "0.5"
-    assert fast[3] is None, "a full-speed rank is not throttled"
-    assert slow[2].startswith("/hapc-") and int(slow[3]) == emulate.PERIOD_US // 2
-    if len(os.sched_getaffinity(0)) >= 2:
-        assert len(fast[0]) == 1 and len(slow[0]) == 1 and fast[0] != slow[0], "one core each"
-    # the groups are removed once the ranks are gone
-    roots = [r for r in ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup") if os.path.isdir(os.path.join(r, slow[2].lstrip("/")))]
-    assert not roots
+    assert fast[2] == _group() and fast[4] is None, "a full-speed rank is not slowed"
+    assert len(fast[0]) == 1 and len(slow[0]) == 1 and fast[0] != slow[0], "one core each"
+    assert slow[2].rsplit("/", 1)[-1].startswith("hapc-") and slow[3] in (None, "-1", "max"), "no quota"
+    assert slow[4] is not None and slow[5] == slow[0], "the rival spins on the compute thread's core"
+    assert slow[6] == emulate.rival_weight(0.5, emulate.how()), "weighted to take half of it"
+    assert _gone(slow[4]), "the rival exits with its rank"
+    assert _groups_removed(slow[2]), "the groups are removed once the ranks are gone"
+
+
+def _dies(rank, world, where):
+    import signal
+
+    if rank == 1:
+        Path(where).write_text(str(_where(rank, world)[4]))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rank
+
+
+@needs_cgroup
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the rival needs a core per rank")
+def test_a_killed_rank_leaves_no_spinning_rival(tmp_path):
+    where = tmp_path / "rival"
+    with pytest.raises(DistributedRunError, match="rank 1"):
+        run_distributed(_dies, 2, str(where), speeds=[1.0, 0.5], timeout=10, grace=5)
+    assert _gone(int(where.read_text())), "the rival dies with its rank (PR_SET_PDEATHSIG)"
+
+
+@needs_cgroup
+def test_ranks_sharing_cores_are_slowed_by_a_quota():
+    """More ranks than cores: no core to share with a rival, so the slow rank's thread gets a quota."""
+    if len(os.sched_getaffinity(0)) >= 3:
+        pytest.skip("needs fewer cores than ranks")
+    ranks = run_distributed(_where, 3, speeds=[1.0, 1.0, 0.5])
+    slow = ranks[2]
+    assert slow[4] is None, "no rival"
+    assert int(slow[3]) == emulate.PERIOD_US // 2, "half of each period"
+    assert _groups_removed(slow[2])
+
+
+def test_the_rival_weight_leaves_the_rank_its_speed():
+    for kind in ("v1", "v2"):
+        w = emulate._WEIGHT[kind]
+        for speed in (0.25, 0.5, 0.75, 0.9):
+            assert w / (w + emulate.rival_weight(speed, kind)) == pytest.approx(speed, rel=0.01)
+    assert emulate.rival_weight(1e-6, "v1") == 262144 and emulate.rival_weight(0.999, "v2") == 1, "clamped"
 
 
 def _threads(rank, world):
