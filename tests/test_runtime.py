@@ -245,6 +245,50 @@ def test_gradient_accumulation_over_backward_passes(how, no_sync, buckets, monke
         assert_close(res, want, F64, "accumulated")
 
 
+def _some_inputs(model, how, shared):
+    """Two AdamW steps (weight decay), each backward into only some parameters: the first into the
+    even-numbered ones, the second into the odd-numbered ones (``loss.backward(inputs=...)``)."""
+    names = sorted(k for k, _ in shared.named_parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+    params = dict(shared.named_parameters())
+    out = []
+    for step in range(2):
+        _zero(opt, how)
+        model(*model._hapc_inputs).backward(inputs=[params[k] for k in names[step::2]])
+        out.append(sorted(k for k, p in params.items() if p.grad is None))
+        opt.step()
+    return out
+
+
+def _some_inputs_job(rank, world, cluster, plan, how):
+    model, inputs = models.load("gpt", dtype=F64)
+    m = hapc.compile(model, cluster, inputs, plan=plan)
+    m._hapc_inputs = inputs
+    nones = _some_inputs(m, how, m)
+    return nones, m.full_gradients(), m.full_state_dict()
+
+
+@pytest.mark.parametrize("buckets", ["one", "many"])
+@pytest.mark.parametrize("how", ["set_to_none", "zeroed_in_place", "keep"])
+def test_backward_into_some_parameters_leaves_the_others_as_on_one_device(how, buckets, monkeypatch):
+    """``loss.backward(inputs=[...])`` accumulates into the listed parameters only: the others keep
+    their gradient -- None after ``zero_grad()`` (AdamW then skips them: a zero gradient would decay
+    them), or the sum of an earlier step, which must not be summed across ranks again."""
+    if buckets == "many":
+        small_buckets(monkeypatch)
+    cluster = cluster_of([5e9, 3e9, 2e9])
+    plan = _plan("gpt", cluster, baseline="dp-cp")
+    model, inputs = models.load("gpt", dtype=F64)
+    model._hapc_inputs = inputs
+    want_nones = _some_inputs(model, how, model)
+    want_grads = {k: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for k, p in model.named_parameters()}
+    assert want_nones[0] or how == "keep", "the test leaves some gradients None"
+    for nones, grads, state in run_distributed(_some_inputs_job, 3, cluster, plan, how):
+        assert len(nones[0]) == len(want_nones[0]) and len(nones[1]) == len(want_nones[1]), "None where one device"
+        assert_close(grads, want_grads, F64, "gradients")
+        assert_close(state, model.state_dict(), F64, "parameters after AdamW")
+
+
 def _bucketed_grads(rank, world, cluster, plan):
     model, inputs = models.load("gpt", dtype=F64)
     m = hapc.compile(model, cluster, inputs, plan=plan)

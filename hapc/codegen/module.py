@@ -568,6 +568,9 @@ class CompiledModule(nn.Module):
         self._flat: list[torch.Tensor | None] = [None] * len(buckets)  # allocated on first use
         self._views: list[list[torch.Tensor]] = [[] for _ in buckets]  # per bucket, its parameters' views of it
         self._carry: dict[int, torch.Tensor] = {}
+        # the gradients held when the forward ran (id -> .grad): one still there at the sync got no
+        # contribution from the backward (``backward(inputs=...)`` left it out)
+        self._before: dict[int, torch.Tensor] = {}
         self._syncing = True  # False inside no_sync()
         self._synced = False  # a sync finished since the last forward (a further backward re-uses its graph)
         self._restore_queued = False
@@ -643,6 +646,7 @@ class CompiledModule(nn.Module):
         each old gradient aside just before the new one is accumulated, and the sync adds it back.
         Without this, earlier gradients would be summed ``world`` times. Nothing is registered
         when gradients were zeroed with ``set_to_none`` (the default)."""
+        self.__dict__["_before"] = {id(p): p.grad for p in self._sync_params if p.grad is not None}
         for h in self._stash_handles:
             h.remove()
         if self._unsynced:  # the gradients are no_sync's Partial sums: the next sync sums them all
@@ -685,7 +689,7 @@ class CompiledModule(nn.Module):
         # and nn.Module.__setattr__'s checks cost ~1.3 us an assignment on every step
         state = self.__dict__
         state["_ready"] = [0] * len(self._buckets)
-        state["_launched"] = []  # (work, bucket) of the all-reduces started this backward
+        state["_launched"] = []  # (work, bucket, which of its parameters it sums) started this backward
         state["_next"] = 0
         state["_queued"] = False
 
@@ -739,31 +743,43 @@ class CompiledModule(nn.Module):
             b = self._next
             flat = self._bucket_buffer(b)
             bucket, views = self._buckets[b], self._views[b]
-            grads = [p.grad for p in bucket]
+            grads = [p.grad if self._contributes(p) else None for p in bucket]
+            for p, g, view in zip(bucket, grads, views):
+                if g is None and p.grad is view:  # an old sum living in the bucket stays out of this one
+                    p.grad = view.clone()
             if not any(g is view for g, view in zip(grads, views)):
                 torch.cat(
                     [g.reshape(-1) if g is not None else p.new_zeros(p.numel()) for g, p in zip(grads, bucket)],
                     out=flat,
                 )
             else:  # gradients zeroed in place last step were accumulated right into the bucket
-                for p, view in zip(bucket, views):
-                    if p.grad is None:
+                for g, view in zip(grads, views):
+                    if g is None:
                         view.zero_()
-                    elif p.grad is not view:
-                        view.copy_(p.grad)
+                    elif g is not view:
+                        view.copy_(g)
             self._flush()  # a pending loss all-reduce goes first, on every rank
-            self._launched.append((dist.all_reduce(flat, group=self.group, async_op=True), b))
+            summed = [g is not None for g in grads]
+            self._launched.append((dist.all_reduce(flat, group=self.group, async_op=True), b, summed))
             self.__dict__["_next"] = b + 1
+
+    def _contributes(self, p: nn.Parameter) -> bool:
+        """Does ``p.grad`` hold a contribution of this rank to be summed now? Under ``no_sync`` every
+        gradient held is one (earlier sums wait aside); otherwise one that the backward accumulated:
+        a ``.grad`` the forward saw unchanged got nothing (``loss.backward(inputs=[...])`` without
+        ``p``, or no path from the loss), and summing it again would multiply an earlier sum."""
+        g = p.grad
+        return g is not None and (self._unsynced or g is not self._before.get(id(p)))
 
     def _finish_sync(self) -> None:
         # Summed gradients stay in the bucket: each .grad becomes a view of it (no copy back, as
         # DDP's gradient_as_bucket_view). The next backward overwrites the bucket, so a gradient
         # tensor kept across steps must be cloned by whoever keeps it.
         self._launch_ready(force=True)
-        for work, b in self._launched:
+        for work, b, summed in self._launched:
             work.wait()
-            for p, view in zip(self._buckets[b], self._views[b]):
-                if p.requires_grad:  # frozen after compile: no gradient, as on one device
+            for p, view, got in zip(self._buckets[b], self._views[b], summed):
+                if got:  # else no gradient reached it (frozen, or left out of backward(inputs=...)): as on one device
                     p.grad = view
         self._restore_gradients()
         self._reset_sync()
