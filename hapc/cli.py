@@ -612,7 +612,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument(
         "--local", type=_positive_int, metavar="N", help="start N local gloo processes instead of using torchrun"
     )
-    f.add_argument("--sizes", default="1KiB,16KiB,128KiB,1MiB,4MiB", help="message sizes for the alpha-beta fits")
+    f.add_argument(
+        "--sizes",
+        default="1KiB,16KiB,128KiB,1MiB,4MiB,16MiB,32MiB",  # hapc.profile.DEFAULT_SIZES (no torch import here)
+        help="message sizes for the alpha-beta fits (default: to past the 25 MB gradient bucket)",
+    )
     f.add_argument("--reps", type=_positive_int, default=5, help="timed repetitions per measurement (median kept)")
     f.add_argument("--gemm", type=_positive_int, default=1024, help="matrix size for the flops measurement")
     f.add_argument("--name", default="profiled", help="cluster name")

@@ -12,6 +12,7 @@ from hapc.cli import main, tomllib_loads
 from hapc.cluster import PRIMITIVES, Cluster
 from hapc.errors import HapcError
 from hapc.profile import (
+    DEFAULT_SIZES,
     DeviceReport,
     _marginal_time,
     _runtime_call,
@@ -95,6 +96,23 @@ def test_profile_measures_a_live_group():
     assert cluster.groups[0].flops_bf16 > 1e8 and cluster.groups[0].flops_fp16 is None
     bf16 = hapc.synthesize(model, cluster, inputs, precision="bf16")
     assert bf16.time != plan.time
+
+
+def test_default_sizes_cover_the_gradient_bucket_the_cost_model_prices():
+    """The bucketed gradient all-reduce (``CostModel.grad_time``) prices buckets of up to
+    ``bucket_bytes`` with the all-reduce's fitted beta: the profile must time the collectives at
+    those sizes, not extrapolate from 4 MiB (on emulated ranks that fit gave a third of the
+    per-byte time of an 8-16 MiB all-reduce). ``hapc profile``'s --sizes default is the same list."""
+    from hapc.cli import build_parser
+    from hapc.quantities import SIZE, parse_quantity
+    from hapc.synth.cost import CostModel
+    from hapc.testing import cluster_of
+
+    bucket = CostModel(cluster_of([1e12, 1e12])).bucket_bytes
+    assert max(DEFAULT_SIZES) >= bucket
+    assert sum(x >= 2**22 for x in DEFAULT_SIZES) >= 3  # beta rests on several large messages
+    default = build_parser().parse_args(["profile"]).sizes
+    assert tuple(int(parse_quantity(s, "--sizes", SIZE)) for s in default.split(",")) == DEFAULT_SIZES
 
 
 def test_cli_profile_local_writes_a_cluster_file(tmp_path, capsys):
