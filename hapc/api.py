@@ -211,6 +211,7 @@ def compile(
     from .codegen.module import CompiledModule
     from .theory import derive, trace
 
+    _refuse_gradient_hooks(model)
     unknown = sorted(set(options) - set(SYNTH_OPTIONS) - set(THEORY_OPTIONS))
     if unknown:
         raise HapcError(
@@ -289,6 +290,24 @@ def compile(
 
 
 _VERIFIED: dict[tuple, str] = {}  # (op, node shapes) -> "" (sound) or the failure, per process
+
+
+def _refuse_gradient_hooks(model: torch.nn.Module) -> None:
+    """A gradient hook on one of the model's parameters (``Tensor.register_hook``,
+    ``register_post_accumulate_grad_hook``) would be dropped silently: the compiled module trains
+    parameters of its own (whole copies or this rank's shards), which do not carry it."""
+    from .codegen.module import gradient_hooks
+
+    for name, p in model.named_parameters():
+        if gradient_hooks(p) != (0, 0):
+            raise HapcError(
+                f"parameter {name!r} of the model has a gradient hook (Tensor.register_hook or "
+                "register_post_accumulate_grad_hook): the compiled module trains parameters of its own, which "
+                "would not run it, and with several ranks a hook would see a partial gradient (replicated "
+                "parameters' gradients are summed across ranks after they are accumulated). Remove the hook and "
+                "transform p.grad after loss.backward() returns, when it holds the single-device gradient; "
+                "step optimizers after the backward rather than in a hook"
+            )
 
 
 def _verify_user_rules(theory: Any, graph: Any, example_inputs: Any) -> None:

@@ -70,6 +70,11 @@ _MODE_SENSITIVE = (nn.modules.batchnorm._BatchNorm,)
 _DROPOUT = (nn.modules.dropout._DropoutNd,)
 
 
+def gradient_hooks(p: torch.Tensor) -> tuple[int, int]:
+    """How many gradient hooks ``p`` carries: ``(Tensor.register_hook, register_post_accumulate_grad_hook)``."""
+    return len(getattr(p, "_backward_hooks", None) or ()), len(getattr(p, "_post_accumulate_grad_hooks", None) or ())
+
+
 class CompiledModule(nn.Module):
     """One rank's share of a model under a plan. Call it like the model: it returns the loss
     (its value is the full loss on every rank); ``loss.backward()`` leaves every local parameter
@@ -185,6 +190,7 @@ class CompiledModule(nn.Module):
         }
         self._setup_grad_sync()
         self._grad_norms = install_grad_norms(self)  # sharded gradients' norms are the whole ones
+        self._own_hooks = self._hook_counts()
         # requires_grad as compiled: a frozen parameter is a constant of the plan, and this module
         # trains its own copies -- a flag changed on the model object later must not pass silently
         self._flags = [(k, weakref.ref(p), p.requires_grad) for k, p in model.named_parameters()]
@@ -301,6 +307,7 @@ class CompiledModule(nn.Module):
         new._flags = list(self._flags)
         new._setup_grad_sync()
         new._grad_norms = install_grad_norms(new)
+        new._own_hooks = new._hook_counts()
         return new
 
     def _check_flags(self) -> None:
@@ -649,10 +656,32 @@ class CompiledModule(nn.Module):
         self.__dict__["_before"] = {id(p): p.grad for p in self._sync_params if p.grad is not None}
         for h in self._stash_handles:
             h.remove()
+        self._refuse_user_hooks()
         if self._unsynced:  # the gradients are no_sync's Partial sums: the next sync sums them all
             self._stash_handles = []
             return
         self._stash_handles = [p.register_hook(self._stash(p)) for p in self._sync_params if p.grad is not None]
+
+    def _hook_counts(self) -> list[tuple[str, nn.Parameter, tuple[int, int]]]:
+        """Each parameter with the gradient hooks hapc itself put on it (the sync's, the norms')."""
+        return [(k, p, gradient_hooks(p)) for k, p in self.named_parameters()]
+
+    def _refuse_user_hooks(self) -> None:
+        """A hook added to a parameter after compile runs on this rank's part of its gradient --
+        the Partial sum of a replicated parameter (summed across ranks after accumulation), this
+        rank's slice of a sharded one -- not on the single-device gradient: refused, at the next
+        forward (with several ranks; on one the gradient is whole and a hook is exact)."""
+        for name, p, own in self._own_hooks:
+            if gradient_hooks(p) != own:
+                raise HapcError(
+                    f"parameter {name!r} of the compiled module has a gradient hook added after hapc.compile "
+                    "(Tensor.register_hook or register_post_accumulate_grad_hook): it would run on this rank's part "
+                    "of the gradient -- a partial sum for a parameter the plan replicates (summed across ranks after "
+                    "it is accumulated), this rank's slice for a sharded one -- not on the single-device gradient. "
+                    "Remove the hook and transform p.grad after loss.backward() returns (it holds the "
+                    "single-device gradient then, or this rank's slice of it); step optimizers after the backward "
+                    "rather than in a hook"
+                )
 
     def _stash(self, p: nn.Parameter):
         def hook(grad: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,98 @@
+"""Gradient hooks on parameters (``Tensor.register_hook``, ``register_post_accumulate_grad_hook``)
+train as on one device or are refused, naming the fix: a hook on the model's parameters before
+``hapc.compile`` would be dropped (the module trains parameters of its own), and one added to the
+compiled module's parameters with several ranks would run on this rank's partial gradient. On one
+rank the compiled module's gradient is whole and a hook is exact. Real gloo ranks, float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import assert_close
+
+import hapc
+from hapc import models
+from hapc.errors import HapcError
+from hapc.testing import cluster_of, run_distributed
+
+F64 = torch.float64
+TWO = cluster_of([5e9, 3e9])
+ONE = cluster_of([5e9])
+
+
+def _clamp(g: torch.Tensor) -> torch.Tensor:  # not linear: on a partial sum it differs from one device
+    return g.clamp(-1e-3, 1e-3)
+
+
+def _clamp_in_place(p: torch.Tensor) -> None:
+    p.grad.clamp_(-1e-3, 1e-3)
+
+
+def _hook(p: torch.Tensor, kind: str):
+    return p.register_hook(_clamp) if kind == "tensor" else p.register_post_accumulate_grad_hook(_clamp_in_place)
+
+
+def _before_compile(rank, world, kind):
+    model, inputs = models.load("mlp", dtype=F64)
+    _hook(next(model.parameters()), kind)
+    try:
+        hapc.compile(model, TWO if world == 2 else ONE, inputs)
+    except HapcError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("kind", ["tensor", "post_accumulate"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_hook_on_the_model_before_compile_is_refused(world, kind):
+    for msg in run_distributed(_before_compile, world, kind):
+        assert msg is not None, "the hook would be dropped silently"
+        assert "of the model has a gradient hook" in msg and "transform p.grad after loss.backward()" in msg
+
+
+def _after_compile(rank, world, kind):
+    model, inputs = models.load("mlp", dtype=F64)
+    m = hapc.compile(model, TWO, inputs)
+    handles = [_hook(p, kind) for p in m.parameters()]
+    try:
+        m(*inputs).backward()
+    except HapcError as exc:
+        refused = str(exc)
+    else:
+        refused = None
+    for h in handles:  # without the hook, the module trains on exactly
+        h.remove()
+    m.zero_grad()
+    m(*inputs).backward()
+    return refused, m.full_gradients()
+
+
+@pytest.mark.parametrize("kind", ["tensor", "post_accumulate"])
+def test_a_hook_added_to_the_compiled_module_is_refused_with_several_ranks(kind):
+    model, inputs = models.load("mlp", dtype=F64)
+    model(*inputs).backward()
+    want = {k: p.grad for k, p in model.named_parameters()}
+    for refused, grads in run_distributed(_after_compile, 2, kind):
+        assert refused is not None, "a hook on a partial gradient must not pass silently"
+        assert "added after hapc.compile" in refused and "partial sum" in refused
+        assert_close(grads, want, F64, "gradients after the hook is removed")
+
+
+def _one_rank(rank, world, kind):
+    model, inputs = models.load("mlp", dtype=F64)
+    m = hapc.compile(model, ONE, inputs)
+    for p in m.parameters():
+        _hook(p, kind)
+    m(*inputs).backward()
+    return m.full_gradients()
+
+
+@pytest.mark.parametrize("kind", ["tensor", "post_accumulate"])
+def test_a_hook_on_one_rank_is_exact(kind):
+    model, inputs = models.load("mlp", dtype=F64)
+    for p in model.parameters():
+        _hook(p, kind)
+    model(*inputs).backward()
+    want = {k: p.grad for k, p in model.named_parameters()}
+    (got,) = run_distributed(_one_rank, 1, kind)
+    assert_close(got, want, F64, "gradients through the hooks")
