@@ -1,8 +1,10 @@
-"""Gradient hooks on parameters (``Tensor.register_hook``, ``register_post_accumulate_grad_hook``)
-train as on one device or are refused, naming the fix: a hook on the model's parameters before
-``hapc.compile`` would be dropped (the module trains parameters of its own), and one added to the
-compiled module's parameters with several ranks would run on this rank's partial gradient. On one
-rank the compiled module's gradient is whole and a hook is exact. Real gloo ranks, float64."""
+"""Hooks train as on one device or are refused, naming the fix. Gradient hooks on parameters
+(``Tensor.register_hook``, ``register_post_accumulate_grad_hook``): one on the model's parameters
+before ``hapc.compile`` would be dropped (the module trains parameters of its own), one added to the
+compiled module's parameters with several ranks would run on this rank's partial gradient -- both
+refused; on one rank the compiled module's gradient is whole and a hook is exact. Module forward
+(pre-)hooks are captured with the forward, a ``torch.nn`` layer's too; module backward hooks would
+not run in the program's backward -- refused. Real gloo ranks, float64."""
 
 from __future__ import annotations
 
@@ -96,3 +98,44 @@ def test_a_hook_on_one_rank_is_exact(kind):
     want = {k: p.grad for k, p in model.named_parameters()}
     (got,) = run_distributed(_one_rank, 1, kind)
     assert_close(got, want, F64, "gradients through the hooks")
+
+
+def _module_hooked(kind: str):
+    model, inputs = models.load("mlp", dtype=F64)
+    layer = [m for m in model.modules() if isinstance(m, torch.nn.Linear)][1]  # a layer fx keeps whole
+    if kind == "forward":
+        layer.register_forward_hook(lambda m, i, o: o * 0.5)
+    elif kind == "forward_pre":
+        layer.register_forward_pre_hook(lambda m, i: (i[0] * 0.5,))
+    elif kind == "full_backward":
+        layer.register_full_backward_hook(lambda m, gi, go: (gi[0] * 0.5,))
+    elif kind == "backward_pre":
+        layer.register_full_backward_pre_hook(lambda m, go: (go[0] * 0.5,))
+    return model, inputs
+
+
+def _forward_hooks(rank, world, kind, capture):
+    model, inputs = _module_hooked(kind)
+    m = hapc.compile(model, TWO, inputs, capture=capture)
+    loss = m(*inputs)
+    loss.backward()
+    return float(loss), m.full_gradients()
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+@pytest.mark.parametrize("kind", ["forward", "forward_pre"])
+def test_module_forward_hooks_are_captured_with_the_forward(kind, capture):
+    model, inputs = _module_hooked(kind)
+    loss = model(*inputs)
+    loss.backward()
+    want = {k: p.grad for k, p in model.named_parameters()}
+    for got_loss, grads in run_distributed(_forward_hooks, 2, kind, capture):
+        assert got_loss == pytest.approx(float(loss), rel=1e-12), "the hook changes the loss on one device"
+        assert_close(grads, want, F64, "gradients")
+
+
+@pytest.mark.parametrize("kind", ["full_backward", "backward_pre"])
+def test_module_backward_hooks_are_refused(kind):
+    model, inputs = _module_hooked(kind)
+    with pytest.raises(HapcError, match=r"module 'layers\.1' \(Linear\) has a backward hook"):
+        hapc.trace(model, inputs)

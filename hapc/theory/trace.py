@@ -250,8 +250,10 @@ class _Tracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         # the user's leaves and the modules with a functional form stay whole; every other module,
-        # torch.nn's included (MultiheadAttention, Hardsigmoid), is traced into the functions it calls
-        return isinstance(m, self.leaves) or normaliser(m) is not None
+        # torch.nn's included (MultiheadAttention, Hardsigmoid), is traced into the functions it
+        # calls. One with forward hooks is traced through too, its hooks with it (fx calls the
+        # module, which runs them): kept whole, the module would become its function, hooks dropped
+        return isinstance(m, self.leaves) or (normaliser(m) is not None and not _forward_hooked(m))
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _Proxy(node, self)
@@ -371,6 +373,7 @@ def trace(
         raise TraceError(f"hapc traces nn.Module instances, got {type(model).__name__}")
     if capture not in CAPTURES:
         raise TraceError(f"capture must be one of {CAPTURES}, got {capture!r}")
+    _refuse_backward_hooks(model)
     if capture == "export":
         try:
             with _no_state_assignment(), _bincount_with_minlength_as_one_hot():
@@ -400,6 +403,35 @@ def trace(
                 f"{fx_error}\n  (torch.export could not capture it either: {export_error})"
                 + (f"\n  {hint}" if hint else "")
             ) from fx_error
+
+
+def _forward_hooked(m: nn.Module) -> bool:
+    """Does calling ``m`` run forward hooks (its own or global ones) besides its ``forward``?"""
+    from torch.nn.modules import module as mm
+
+    return bool(m._forward_hooks or m._forward_pre_hooks or mm._global_forward_hooks or mm._global_forward_pre_hooks)
+
+
+def _refuse_backward_hooks(model: nn.Module) -> None:
+    """Module backward hooks (``register_full_backward_hook``, ``register_backward_hook``,
+    ``register_full_backward_pre_hook``) act on gradients the compiled program computes itself from
+    the traced forward: they would not run, and training would silently differ from one device."""
+    from torch.nn.modules import module as mm
+
+    fix = (
+        "hapc's program computes the backward of the traced forward and would not run it. Remove it and "
+        "transform the parameters' gradients after loss.backward() returns (to change gradients flowing "
+        "through the module, write that into the forward as a torch.autograd.Function)"
+    )
+    if mm._global_backward_hooks or mm._global_backward_pre_hooks:
+        raise TraceError(f"a global module backward hook is registered (torch.nn.modules.module): {fix}")
+    for name, m in model.named_modules():
+        if m._backward_hooks or m._backward_pre_hooks:
+            where = f"module {name!r} ({type(m).__name__})" if name else f"the model ({type(m).__name__})"
+            raise TraceError(
+                f"{where} has a backward hook (register_full_backward_hook, register_backward_hook or "
+                f"register_full_backward_pre_hook): {fix}"
+            )
 
 
 @contextlib.contextmanager
