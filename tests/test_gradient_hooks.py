@@ -139,3 +139,23 @@ def test_module_backward_hooks_are_refused(kind):
     model, inputs = _module_hooked(kind)
     with pytest.raises(HapcError, match=r"module 'layers\.1' \(Linear\) has a backward hook"):
         hapc.trace(model, inputs)
+
+
+def _compiled(rank, world):
+    model, inputs = models.load("mlp", dtype=F64)
+    m = torch.compile(hapc.compile(model, TWO, inputs))
+    loss = m(*inputs)
+    loss.backward()
+    return float(loss), m.full_gradients()
+
+
+def test_torch_compile_of_the_module_is_not_mistaken_for_a_hook():
+    """Under ``torch.compile`` dynamo's view of a parameter's hooks differs from the parameter's:
+    the check is left to eager calls, and the compiled module trains as one device does."""
+    model, inputs = models.load("mlp", dtype=F64)
+    loss = model(*inputs)
+    loss.backward()
+    want = {k: p.grad for k, p in model.named_parameters()}
+    for got_loss, grads in run_distributed(_compiled, 2, timeout=300):
+        assert got_loss == pytest.approx(float(loss), rel=1e-12)
+        assert_close(grads, want, F64, "gradients")

@@ -670,7 +670,12 @@ class CompiledModule(nn.Module):
         """A hook added to a parameter after compile runs on this rank's part of its gradient --
         the Partial sum of a replicated parameter (summed across ranks after accumulation), this
         rank's slice of a sharded one -- not on the single-device gradient: refused, at the next
-        forward (with several ranks; on one the gradient is whole and a hook is exact)."""
+        forward (with several ranks; on one the gradient is whole and a hook is exact). Not while
+        ``torch.compile`` traces the forward: dynamo's view of a parameter's hooks is not the
+        parameter's (it counted more, refusing every compiled call), so a hook added to a module
+        that only ever runs under ``torch.compile`` is not caught."""
+        if torch.compiler.is_compiling():
+            return
         for name, p, own in self._own_hooks:
             if gradient_hooks(p) != own:
                 raise HapcError(
