@@ -73,6 +73,81 @@ def target_count(target: torch.Tensor, ignore_index: int = -100, dtype: torch.dt
     return (target != ignore_index).sum().to(dtype)
 
 
+def ctc_loss(
+    log_probs: torch.Tensor,
+    targets: torch.Tensor,
+    input_lengths: torch.Tensor,
+    target_lengths: torch.Tensor,
+    blank: int = 0,
+    reduction: str = "mean",
+    zero_infinity: bool = False,
+) -> torch.Tensor:
+    """``F.ctc_loss`` as the capture records it (:mod:`hapc.theory.static_forms`): the same call,
+    plus shapes on the meta device (torch has no meta kernel for it) and the reduction
+    ``"length_sum" = sum_n loss_n / max(target_lengths_n, 1)`` -- torch's ``"mean"`` times the batch
+    size, which the capture divides by: a sum over samples, so a batch shard is a ``Partial`` sum."""
+    if log_probs.device.type == "meta":
+        batched = log_probs.dim() == 3
+        return log_probs.new_empty((log_probs.shape[1],) if reduction == "none" and batched else ())
+    torch_reduction = "none" if reduction == "length_sum" else reduction
+    loss = F.ctc_loss(log_probs, targets, input_lengths, target_lengths, blank, torch_reduction, zero_infinity)
+    if reduction == "length_sum":
+        return (loss / target_lengths.clamp_min(1).to(loss.dtype)).sum()
+    return loss
+
+
+ctc_loss.__hapc_op__ = "ctc_loss"  # type: ignore[attr-defined]
+
+
+def ctc_loss_masked(
+    log_probs: torch.Tensor,
+    labels: torch.Tensor,
+    mask: torch.Tensor,
+    input_lengths: torch.Tensor,
+    target_lengths: torch.Tensor,
+    blank: int = 0,
+    reduction: str = "sum",
+    zero_infinity: bool = False,
+) -> torch.Tensor:
+    """``F.ctc_loss(log_probs, labels.masked_select(mask), input_lengths, mask.sum(-1), ...)`` with
+    the targets in the padded form ``(N, S)`` that ``ctc_loss`` also accepts, so that no length
+    depends on values (the capture of Hugging Face's CTC heads, :mod:`hapc.theory.static_forms`).
+
+    ``masked_select`` concatenates row ``i``'s kept labels, in order, after rows ``0 .. i-1``; the
+    concatenated form reads sample ``i``'s targets at offset ``sum_{j<i} target_lengths[j]``, the
+    padded form at row ``i``'s first ``target_lengths[i]`` entries. A stable sort of each row by
+    "not kept" moves its kept labels to the front in their order: the same targets, so the same loss
+    per sample; the entries past ``target_lengths[i]`` are never read (they are set to ``blank``).
+    ``target_lengths`` must be ``mask.sum(-1)`` (the capture checks the node). ``reduction``: as
+    :func:`ctc_loss` (``"none"``, ``"sum"``, ``"length_sum"``).
+    """
+    if log_probs.device.type != "meta":
+        order = torch.argsort((~mask).to(torch.uint8), dim=1, stable=True)
+        labels = torch.where(mask.gather(1, order), labels.gather(1, order), torch.full_like(labels, blank))
+    return ctc_loss(log_probs, labels, input_lengths, target_lengths, blank, reduction, zero_infinity)
+
+
+ctc_loss_masked.__hapc_op__ = "ctc_loss_masked"  # type: ignore[attr-defined]
+
+
+def checked(loss: torch.Tensor, condition: torch.Tensor, raise_when: bool, message: str, error: str) -> torch.Tensor:
+    """``loss``, after the check a model makes with ``if condition: raise ...`` (``raise_when=True``)
+    or ``if not condition: raise ...`` (``assert``): the capture cannot branch on a value, so the
+    check becomes this node, which raises ``error`` (a built-in exception's name) where one device
+    would have raised. ``condition`` is computed whole on every device (its rule), so every rank
+    raises together."""
+    if condition.device.type != "meta" and bool(condition) == raise_when:
+        import builtins
+
+        kind = getattr(builtins, error, None)
+        kind = kind if isinstance(kind, type) and issubclass(kind, Exception) else RuntimeError
+        raise kind(message)
+    return loss
+
+
+checked.__hapc_op__ = "checked"  # type: ignore[attr-defined]
+
+
 # -- Mixture of experts (GShard-style dispatch with a fixed capacity) ---------------------------
 #
 # Each token picks ``k`` experts (``expert_index[t, :k]``). Slots are handed out first to every

@@ -499,6 +499,39 @@ case("mse_loss", _bin)(
         + F.huber_loss(x, x * 0.5, reduction="sum")
     )
 )
+
+
+def _ctc(a, b, c, g):
+    """log-probabilities' logits (T, N=a, C=b+2), transcripts of 0..c labels padded with -100
+    (S=c), input lengths in [2S+1, T] (every transcript fits: no infinite loss)."""
+    classes, s = b + 2, c
+    t = 2 * s + 3
+    labels = ints(g, classes - 1, a, s) + 1
+    keep = torch.arange(s)[None, :] < (torch.arange(a) % (s + 1))[:, None]
+    labels = torch.where(keep, labels, torch.full_like(labels, -100))
+    return {}, (r(g, t, a, classes), labels, torch.randint(2 * s + 1, t + 1, (a,), generator=g))
+
+
+def _ctc_fn(m, x, y, z):
+    if y.max() >= x.shape[-1]:  # transformers' check: a `checked` node
+        raise ValueError("label out of range")
+    lp, mask = x.log_softmax(-1), y >= 0
+    lengths = mask.sum(-1)
+    sel = y.masked_select(mask)
+    return (
+        F.ctc_loss(lp, sel, z, lengths, reduction="sum")
+        + F.ctc_loss(lp, sel, z, lengths, blank=1, zero_infinity=True)  # mean: length_sum / N
+        + F.ctc_loss(lp, sel, z, lengths, reduction="none").sum()
+        + F.ctc_loss(lp, y.clamp_min(0), z, lengths, reduction="sum")  # padded targets, as torch takes them
+    )
+
+
+case("ctc_loss", _ctc)(_ctc_fn)
+case("_weight_norm", lambda a, b, c, g: ({"g2": r(g, 1, 1, c + 1), "g0": r(g, a, 1, 1)}, (r(g, a, b + 1, c + 1),)))(
+    lambda m, x, y, z: torch._weight_norm(x, m.g2, 2) + torch._weight_norm(x, m.g0, 0)
+)
+
+
 case("embedding", lambda a, b, c, g: ({"w": r(g, c + 2, b + 1)}, (ints(g, c + 2, a, 3),)))(
     lambda m, x, y, z: F.embedding(x, m.w) + F.embedding(x, m.w, padding_idx=1)
 )

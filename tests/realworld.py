@@ -392,6 +392,43 @@ def whisper(batch: int = 4) -> tuple[nn.Module, dict]:
     return t.WhisperForConditionalGeneration(cfg), dict(input_features=features, labels=_tokens(batch, 8, 100, 1))
 
 
+def _ctc(cls: str, config: str, batch: int, padded_audio: bool, **extra: Any) -> tuple[nn.Module, dict]:
+    """A speech encoder with a CTC head (vocabulary 20, blank = pad 0) on 400 raw samples
+    (39 frames after the two convolutions) and transcripts of 5, 3, 4 and 2 tokens padded with
+    -100, as transformers' data collators pad them: the loss reads ``labels.masked_select(labels >= 0)``
+    (captured as padded targets: ``hapc.theory.static_forms``) after checking
+    ``labels.max() >= vocab_size``. ``padded_audio``: rows of 400, 320, 360 and 280 samples
+    (``attention_mask``), so the frames each sample's CTC reads differ too."""
+    t = _hf()
+    cfg = getattr(t, config)(vocab_size=20, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                             intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+                             num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, hidden_dropout=0.0,
+                             attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
+                             final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, pad_token_id=0,
+                             **extra)  # fmt: skip
+    x = torch.randn(batch, 400, generator=torch.Generator().manual_seed(0))
+    rows = torch.tensor([5, 3, 4, 2])[torch.arange(batch) % 4]
+    labels = _tokens(batch, 5, 19, 1) + 1
+    labels = torch.where(torch.arange(5)[None, :] < rows[:, None], labels, torch.full_like(labels, -100))
+    batch_ = dict(input_values=x, labels=labels)
+    if padded_audio:
+        n = torch.tensor([400, 320, 360, 280])[torch.arange(batch) % 4]
+        batch_["attention_mask"] = (torch.arange(400)[None, :] < n[:, None]).long()
+        batch_["input_values"] = x * batch_["attention_mask"]
+    return getattr(t, cls)(cfg), batch_
+
+
+def wav2vec2_ctc(batch: int = 4) -> tuple[nn.Module, dict]:
+    """Wav2Vec2 for CTC (``ctc_loss_reduction="sum"``, transformers' default)."""
+    return _ctc("Wav2Vec2ForCTC", "Wav2Vec2Config", batch, padded_audio=False)
+
+
+def hubert_ctc(batch: int = 4) -> tuple[nn.Module, dict]:
+    """HuBERT for CTC with ``ctc_loss_reduction="mean"`` (each sample's loss over its transcript's
+    length, averaged over the batch: a sum over the whole batch divided by 4)."""
+    return _ctc("HubertForCTC", "HubertConfig", batch, padded_audio=False, ctc_loss_reduction="mean")
+
+
 #: name -> (factory, the library it needs)
 MODELS: dict[str, tuple[Callable[..., tuple[nn.Module, Any]], str]] = {
     "gpt2": (gpt2, "transformers"),
@@ -426,6 +463,8 @@ MODELS: dict[str, tuple[Callable[..., tuple[nn.Module, Any]], str]] = {
     "deberta": (deberta, "transformers"),
     "deberta-v2": (deberta_v2, "transformers"),
     "whisper": (whisper, "transformers"),
+    "wav2vec2-ctc": (wav2vec2_ctc, "transformers"),
+    "hubert-ctc": (hubert_ctc, "transformers"),
 }
 
 

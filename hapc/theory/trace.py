@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .._util import without_gc
 from ..errors import TraceError
@@ -41,6 +42,7 @@ from .normalize import NORMALISERS, normalise_modules, normaliser
 from .opnames import canonical_name, qualified_name
 from .plain_meta import MetaMemo, without_sympy
 from .registry import Registry, default_registry
+from .static_forms import Guard, ctc_loss_call, drop_unused_masked_selects, guard_at
 
 
 class CurrentDevice:
@@ -204,6 +206,27 @@ class _Tracer(fx.Tracer):
         self.memo = MetaMemo()  # the layers' repeated meta evaluations, computed once (plain_meta)
         self._arg_depth = 0
         self.output_types: Any = None
+        self.guards: list[Guard] = []  # the model's `if <tensor>: raise` checks (static_forms)
+        self.control_flow: str | None = None  # where a truth value was refused (to_bool)
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        """The truth of a traced value: only in a check that raises (``if c: raise``, ``assert c``),
+        recorded as a :class:`~hapc.theory.static_forms.Guard` and answered with the branch that does
+        not raise; any other control flow on a value is refused (fx's error)."""
+        frame = sys._getframe(1)
+        caller = frame.f_back if frame.f_code.co_name == "__bool__" else None
+        val = obj.node.meta.get("hapc_val", _MISSING)
+        found = guard_at(caller) if caller is not None else None
+        if found is None or not isinstance(val, torch.Tensor) or val.numel() != 1:
+            # fx's error is a ValueError: a model that catches it would be captured on the branch
+            # one device may not take; _trace_fx refuses a trace that completes after this
+            at = caller or frame
+            line = linecache.getline(at.f_code.co_filename, at.f_lineno).strip()
+            self.control_flow = self.control_flow or f"{os.path.basename(at.f_code.co_filename)}:{at.f_lineno}: {line}"
+            return super().to_bool(obj)
+        raise_when, error, where = found
+        self.guards.append(Guard(obj.node, raise_when, f"{where} (the model raises here on one device)", error))
+        return not raise_when
 
     def create_arg(self, a: Any) -> Any:
         """fx's conversion of a node's (or the output's) arguments, which turns every dict into a
@@ -259,6 +282,10 @@ class _Tracer(fx.Tracer):
         return _Proxy(node, self)
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        if kind == "call_function" and target is F.ctc_loss:
+            rewritten = ctc_loss_call(self, args, kwargs)  # masked_select targets: padded (static_forms)
+            if rewritten is not None:
+                return rewritten
         p = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         p.node.meta["stack_trace"] = _model_frame()
         if self.region is not None:
@@ -466,6 +493,9 @@ def _experts_loop_hint(model: nn.Module, exc: TraceError) -> str | None:
     "eager"``: ``for expert_idx in expert_hit``, a loop whose length is a tensor's value)."""
     config = getattr(model, "config", None)
     if getattr(config, "_experts_implementation", None) != "eager" or "data-dependent" not in str(exc):
+        return None
+    experts = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+    if not any(getattr(config, k, None) for k in experts):  # every config names an implementation
         return None
     return (
         f"{type(model).__name__} runs its experts in a Python loop over the experts each batch routes to "
@@ -740,10 +770,20 @@ def _trace_fx(model: nn.Module, example_inputs: Any, leaf_modules: Sequence[type
             raise TraceError(f"cannot trace {type(model).__name__}: {exc}") from exc
         except Exception as exc:
             raise TraceError(_untraceable_message(model, exc)) from exc
+        if tracer.control_flow is not None:
+            raise TraceError(
+                f"cannot trace {type(model).__name__}: the truth of a traced value is tested at "
+                f"{tracer.control_flow} and the model caught the capture's error (a try/except around it), "
+                "so the capture would follow a branch one device may not take; hapc needs a static graph: "
+                "replace the test by tensor ops such as torch.where"
+            )
+        drop_unused_masked_selects(graph)
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         normalise_modules(gm)
         values, flops = _propagate(gm, model, example_inputs, tracer.memo)
-    return _Builder(gm, model, values, flops, loss=loss, output_types=tracer.output_types).run(capture="fx")
+    builder = _Builder(gm, model, values, flops, loss=loss, output_types=tracer.output_types)
+    builder.guards = tracer.guards
+    return builder.run(capture="fx")
 
 
 def _trace_export(model: nn.Module, example_inputs: Any, loss: str | int | None) -> RefGraph:
@@ -1168,6 +1208,7 @@ class _Builder:
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.region: int | None = None  # of the fx node being built (torch.utils.checkpoint)
         self.autocast: tuple = ()  # of the fx node being built (its torch.autocast contexts)
+        self.guards: list[Guard] = []  # checks the loss passes through (:func:`hapc.ops.checked`)
 
     def add(self, **fields: Any) -> Ref:
         if fields.get("kind") == OP:
@@ -1424,6 +1465,14 @@ class _Builder:
                 f"the model's loss must be a scalar floating-point tensor, got {loss.meta!r} "
                 f"from {loss.source}; reduce it (e.g. .mean() or .sum())"
             )
+        for g in self.guards:  # the model's checks, on the loss: they run wherever the loss does
+            from .. import ops as hops
+
+            out = leaves[index] = self.add(
+                name=f"{loss.name}_checked", kind=OP, op=canonical_name(hops.checked), target=hops.checked,
+                args=(out, self.env[g.condition], g.raise_when, g.message, g.error), meta=loss.meta,
+                source=g.message, region=None, autocast=(),
+            )  # fmt: skip
         same = merge_common(self.nodes)  # equal pure computations become one node (theory/cse.py)
         if same:
             for nd in self.nodes:

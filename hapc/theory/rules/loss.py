@@ -43,6 +43,34 @@ def _pointwise_loss(view: OpView):
     return view.annotate(f"..., ... -> {'' if reduction == 'sum' else '...'}")
 
 
+@rule(["ctc_loss_masked", "ctc_loss"], doc="batch dim shards (sums -> Partial); time, classes, targets never")
+def _ctc_loss(view: OpView):
+    """``hapc.ops.ctc_loss_masked(log_probs [T, N, C], labels [N, S], mask [N, S], input_lengths [N],
+    target_lengths [N])`` (the capture of ``ctc_loss`` on ``masked_select`` targets) and
+    ``F.ctc_loss`` with padded targets ``[N, S]`` and tensor lengths: each sample's loss reads only its
+    own column of ``log_probs``, row of targets and two lengths (the CTC recursion runs over ``T`` and
+    ``S``, which never shard), so the batch shards; ``"sum"`` and ``"length_sum"`` (``sum_n loss_n /
+    max(len_n, 1)``) sum over it -> ``Partial``, ``"none"`` -> sharded. ``zero_infinity`` is per sample.
+    torch's ``"mean"`` is captured as ``length_sum / N`` (``hapc.theory.static_forms``); an
+    uncaptured mean, 1-D concatenated targets or list lengths: replicated."""
+    masked = view.node.op == "ctc_loss_masked"
+    ranks = [o.rank for o in view.operands]
+    if ranks != ([3, 2, 2, 1, 1] if masked else [3, 2, 1, 1]):
+        return []
+    reduction = view.arg(7 if masked else 5, "reduction", "sum" if masked else "mean")
+    if reduction not in ("none", "sum", "length_sum"):
+        return []
+    spec = ["t^ n c^", "n s^", *(["n s^"] if masked else []), "n", "n"]
+    return view.annotate(f"{', '.join(spec)} -> {'n' if reduction == 'none' else ''}")
+
+
+@rule("checked", doc="the loss passes (Replicated or Partial); the model's check computed whole")
+def _checked(view: OpView):
+    """``hapc.ops.checked(loss, condition, ...)``: raises where the model's ``if condition: raise``
+    would; the condition is read whole (``Replicated``) on every device, so all raise together."""
+    return [Strategy((PARTIAL, REPLICATED), PARTIAL, scaled=False, name="partial")]
+
+
 @rule("embedding", doc="tokens shard; embedding dim shards; vocabulary shards -> Partial")
 def _embedding(view: OpView):
     """``F.embedding(idx, weight, padding_idx)``."""

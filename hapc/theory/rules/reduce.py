@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from ... import ops as hops
 from ..cost import Comm
 from ..props import REPLICATED, shard
@@ -195,3 +197,19 @@ def _sim_sync_batch_norm(inputs, call, ctx):
     xs = [ops[0] for ops in inputs]
     y = call([torch.cat(xs, dim=0), *inputs[0][1:]])
     return list(torch.split(y, [x.shape[0] for x in xs], dim=0))
+
+
+@rule([torch._weight_norm], doc="`dim` shards (g linear); the normed dims never")  # type: ignore[list-item]
+def _weight_norm(view: OpView):
+    """``torch._weight_norm(v, g, dim) = v * g / ||v||`` over every dim but ``dim`` (``nn.utils.
+    weight_norm`` and its parametrization: Wav2Vec2's positional convolution): each slice along
+    ``dim`` is normed on its own, so ``dim`` shards; linear in ``g``. ``dim=-1`` norms the whole
+    tensor: replicated."""
+    v = view.operands[0]
+    d = view.arg(2, "dim", 0)
+    if d == -1 or view.num_operands != 2 or view.operands[1].rank != v.rank:
+        return []
+    d = view.dim(d)
+    names = [f"d{k}" + ("" if k == d else "^") for k in range(v.rank)]
+    g = [names[k] if k == d else "1" for k in range(v.rank)]
+    return view.annotate(f"{' '.join(names)}, {' '.join(g)} -> {' '.join(names)}", linear=[(1,)])
