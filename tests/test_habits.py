@@ -288,6 +288,33 @@ def test_an_optimizer_over_the_original_parameters_is_refused(world, kind):
     assert all("never receive gradients" in e for e in errors)
 
 
+def _model_zero_grad(rank, world, plan, set_to_none):
+    model, inputs = models.load("mlp", dtype=F64)
+    m = hapc.compile(model, CLUSTERS[world], inputs, plan=plan)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1)
+    for _ in range(3):
+        model.zero_grad(set_to_none=set_to_none)  # the model given to compile, as with DDP
+        m(*inputs).backward()
+        opt.step()
+    return m.full_state_dict()
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("world, kind", [(2, "default"), (3, "tp")])
+def test_zero_grad_on_the_original_model_clears_the_module(world, kind, set_to_none):
+    """With DDP ``model.zero_grad()`` clears the gradients training accumulates (DDP's module is the
+    model); the compiled module trains parameters of its own, so it must clear theirs too -- else
+    every step adds its gradient to all earlier ones."""
+    model, inputs = models.load("mlp", dtype=F64)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    for _ in range(3):
+        model.zero_grad(set_to_none=set_to_none)
+        model(*inputs).backward()
+        opt.step()
+    for state in run_distributed(_model_zero_grad, world, _plan("mlp", world, kind), set_to_none):
+        assert_close(state, model.state_dict(), F64, "parameters after three steps")
+
+
 # -- item 2: ranks given different targets the plan takes whole ---------------------------------------
 
 

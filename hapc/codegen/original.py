@@ -32,6 +32,8 @@ themselves.
 A model built on the meta device holds no weights at all (its tensors have no values, so nothing
 silent can come of using it) until the module trains; then it is stale like any other.
 
+``model.zero_grad()`` clears the module's gradients too (they are the ones training accumulates).
+
 One more habit trains nothing without an error: an optimizer built over ``model.parameters()``
 (before or after compile -- with DDP they are the module's). Those parameters never receive a
 gradient, so every step is a no-op. A global optimizer step pre-hook checks each optimizer once,
@@ -79,6 +81,7 @@ class Guard:
         # instance attributes win over the class's method: model.eval() (-> self.train(False)) lands here
         model.__dict__["train"] = _ModelTrain(model)
         owner.__dict__["train"] = _OwnerTrain(owner)
+        model.__dict__["zero_grad"] = _ModelZeroGrad(model)
         ref = weakref.ref(self)
         for p in model.parameters():  # no attribute on the tensor: torch.save(model) must still pickle
             _GUARD_OF[p] = ref
@@ -135,6 +138,8 @@ class Guard:
         for m in (model, self.owner):
             if m is not None and isinstance(m.__dict__.get("train"), (_ModelTrain, _OwnerTrain)):
                 del m.__dict__["train"]
+        if model is not None and isinstance(model.__dict__.get("zero_grad"), _ModelZeroGrad):
+            del model.__dict__["zero_grad"]
 
     def check(self, what: str) -> None:
         if self.stale():
@@ -255,6 +260,22 @@ class _ModelTrain:
                 return model  # the model may switch (model.eval() then hapc.compile: the fix it names)
             g.modes = modes(model)
         return model
+
+
+class _ModelZeroGrad:
+    """``model.zero_grad`` of a model given to hapc.compile: its own, then its module's -- the module
+    holds the gradients (with DDP, whose module is the model, ``model.zero_grad()`` clears them;
+    here it cleared nothing, and every step then added its gradient to all the earlier ones)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, set_to_none: bool = True) -> None:
+        model = self.model
+        type(model).zero_grad(model, set_to_none)
+        g = model.__dict__.get(_ATTR)
+        if isinstance(g, Guard) and g.model() is model:  # not a copy (an EMA)
+            g.owner.zero_grad(set_to_none)
 
 
 class _OwnerTrain:
