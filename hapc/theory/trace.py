@@ -400,6 +400,7 @@ def trace(
         raise TraceError(f"hapc traces nn.Module instances, got {type(model).__name__}")
     if capture not in CAPTURES:
         raise TraceError(f"capture must be one of {CAPTURES}, got {capture!r}")
+    _refuse_wrappers(model)
     _refuse_backward_hooks(model)
     if capture == "export":
         try:
@@ -437,6 +438,32 @@ def _forward_hooked(m: nn.Module) -> bool:
     from torch.nn.modules import module as mm
 
     return bool(m._forward_hooks or m._forward_pre_hooks or mm._global_forward_hooks or mm._global_forward_pre_hooks)
+
+
+def _refuse_wrappers(model: nn.Module) -> None:
+    """A model still wrapped for another data-parallel runtime (DDP, DataParallel, FSDP): hapc replaces
+    it and needs the model itself -- tracing the wrapper failed with fx's iteration error. And a
+    ``SyncBatchNorm`` over a subgroup, whose statistics are not the global batch's (one over every
+    rank is batch norm over the global batch: normalize._batch_norm)."""
+    wrapped = isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel))
+    if not wrapped and "torch.distributed.fsdp" in sys.modules:  # fully_shard makes FSDP<Class> modules
+        from torch.distributed.fsdp import FSDPModule
+
+        wrapped = any(isinstance(m, FSDPModule) for m in model.modules())
+    if wrapped:
+        raise TraceError(
+            f"hapc.compile takes the model itself, not a model prepared for another runtime ({type(model).__name__}"
+            f"{'' if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) else ', fully_shard'}): "
+            "hapc replaces DistributedDataParallel / FSDP -- pass the plain model (DDP's model.module, or the model "
+            "before fully_shard)"
+        )
+    for name, m in model.named_modules():
+        if isinstance(m, nn.SyncBatchNorm) and m.process_group is not None:
+            raise TraceError(
+                f"{name}: SyncBatchNorm with a process_group takes its statistics over that group's share of the "
+                "batch; hapc computes them over the whole global batch (as SyncBatchNorm over all ranks does, and "
+                "batch norm on one device). Leave process_group unset, or use nn.BatchNorm*d"
+            )
 
 
 def _refuse_backward_hooks(model: nn.Module) -> None:
