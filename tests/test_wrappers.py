@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import assert_close
+from harness import assert_close, sgd_steps
 from torch import nn
 
 import hapc
@@ -38,16 +38,8 @@ def _net():
     return model, (x, torch.randint(0, 10, (13,), generator=g))
 
 
-def _steps(module, inputs, steps=2):
-    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = module(*inputs)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss))
-    return losses
+def _steps(module, inputs):
+    return sgd_steps(module, inputs, steps=2, lr=0.1, momentum=0.9)
 
 
 def _sync_bn(rank, world):
