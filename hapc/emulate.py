@@ -268,6 +268,45 @@ def _enable_cpu(group: str) -> None:
             _write(os.path.join(group, "cgroup.subtree_control"), "+cpu")
 
 
+def _remove_group(path: str, wait: float = 1.0) -> None:
+    """Remove control group ``path`` and its ``rival`` / ``rank`` children, retrying for up to
+    ``wait`` seconds while a process is still leaving it."""
+    for group in (os.path.join(path, "rival"), os.path.join(path, "rank"), path):
+        deadline = time.monotonic() + wait
+        while os.path.isdir(group):
+            try:
+                os.rmdir(group)
+            except OSError:  # a process still inside (killed late): the kernel frees it once empty
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+
+
+def sweep() -> list[str]:
+    """Remove the groups of ranks whose parent process is gone (``hapc-<pid>-...``, named by
+    ``run_distributed``): a parent killed by SIGKILL never ran :func:`release`. Returns their names."""
+    kind = how()
+    if kind is None:
+        return []
+    root = _home(kind) if kind == "v1" else _V2
+    gone = []
+    for name in os.listdir(root):
+        head, _, rest = name.partition("-")
+        pid = rest.split("-", 1)[0]
+        if head != "hapc" or not pid.isdigit() or not os.path.isdir(os.path.join(root, name)):
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # its parent lives: its own release() removes it
+        except ProcessLookupError:
+            pass
+        except PermissionError:  # another user's live process
+            continue
+        _remove_group(os.path.join(root, name), wait=0.0)
+        gone.append(name)
+    return gone
+
+
 def release(tags: list[str]) -> None:
     """Remove the control groups named ``tags`` (and their rival and rank groups) once their processes
     have exited (the parent calls). A rival is killed when its rank exits, but may take a moment to
@@ -277,13 +316,4 @@ def release(tags: list[str]) -> None:
         return
     root = _home(kind) if kind == "v1" else _V2  # v1: the ranks' groups sit in this process's group
     for tag in tags:
-        path = os.path.join(root, tag)
-        for group in (os.path.join(path, "rival"), os.path.join(path, "rank"), path):
-            deadline = time.monotonic() + 1.0
-            while os.path.isdir(group):
-                try:
-                    os.rmdir(group)
-                except OSError:  # a process still inside (killed late): the kernel frees it once empty
-                    if time.monotonic() > deadline:
-                        break
-                    time.sleep(0.01)
+        _remove_group(os.path.join(root, tag))

@@ -114,6 +114,7 @@ def run_distributed(
         speeds = emulate.check_speeds(list(speeds), world_size)
         if any(s < 1 for s in speeds):
             emulate.require()  # raises, naming the cause, before any process starts
+        emulate.sweep()  # groups an earlier run killed by SIGKILL left behind
         tags = [f"hapc-{os.getpid()}-{time.monotonic_ns()}-rank{r}" for r in range(world_size)]
     ctx = mp.get_context("fork")
     queue = ctx.SimpleQueue()

@@ -182,3 +182,26 @@ def test_profile_speeds_usage_errors(argv, message, capsys):
 
     assert main(argv) != 0
     assert message in capsys.readouterr().err
+
+
+@needs_cgroup
+def test_groups_left_by_a_killed_run_are_swept():
+    """A parent killed by SIGKILL never removes its ranks' groups: the next run does, and leaves the
+    groups of live parents alone."""
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    os.waitpid(child, 0)  # its pid is free now: a parent that is gone
+    home = emulate._home(emulate.how()) if emulate.how() == "v1" else emulate._V2
+    stale = os.path.join(home, f"hapc-{child}-1-rank1")
+    live = os.path.join(home, f"hapc-{os.getpid()}-2-rank1")
+    os.makedirs(os.path.join(stale, "rival"))
+    os.makedirs(live)
+    try:
+        run_distributed(_where, 2, speeds=[1.0, 0.5])
+        assert not os.path.isdir(stale), "the dead parent's groups are removed"
+        assert os.path.isdir(live), "a live parent's are its own to remove"
+    finally:
+        for path in (os.path.join(stale, "rival"), stale, live):
+            if os.path.isdir(path):
+                os.rmdir(path)
