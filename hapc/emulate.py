@@ -45,8 +45,9 @@ from .errors import HapcError
 
 #: the CFS period of the quota fallback (ranks sharing cores), in microseconds
 PERIOD_US = 10_000
-#: the weight of a nice-0 task in both controllers (v1 cpu.shares; v2 cpu.weight)
-_WEIGHT = {"v1": 1024, "v2": 100}
+#: per controller: the weight file, the weight of a nice-0 task, its least and greatest weight, and
+#: the file a process (v1: a thread) is moved into a group by
+_KNOBS = {"v1": ("cpu.shares", 1024, 2, 262144, "tasks"), "v2": ("cpu.weight", 100, 1, 10000, "cgroup.procs")}
 _V1 = "/sys/fs/cgroup/cpu"
 _V2 = "/sys/fs/cgroup"
 #: the environment variable a throttled rank carries (``hapc profile`` names its device kind by it)
@@ -85,8 +86,8 @@ def rival_weight(speed: float, kind: str = "v1") -> int:
     >>> rival_weight(0.5), rival_weight(0.25), rival_weight(0.5, "v2")
     (1024, 3072, 100)
     """
-    w = _WEIGHT[kind]
-    return max(2 if kind == "v1" else 1, min(262144 if kind == "v1" else 10000, round(w * (1 - speed) / speed)))
+    _, w, least, most, _ = _KNOBS[kind]
+    return max(least, min(most, round(w * (1 - speed) / speed)))
 
 
 def how() -> str | None:
@@ -240,24 +241,22 @@ def apply(speed: float, rank: int, world: int, tag: str) -> Emulation:
             _write(os.path.join(path, "cpu.max"), f"{quota} {PERIOD_US}")
             _write(os.path.join(path, "cgroup.procs"), str(os.getpid()))
         return Emulation(speed, core, path, whole_process=kind != "v1")
+    weight, nice0, _, _, procs = _KNOBS[kind]
     rival_group = os.path.join(path, "rival")
     if kind == "v1":
         os.makedirs(rival_group, exist_ok=True)
-        _write(os.path.join(rival_group, "cpu.shares"), str(rival_weight(speed, kind)))
-        _write(os.path.join(path, "tasks"), str(main))  # v1: this thread alone
-        pid = _start_rival(core)  # forked from this thread: it starts in this thread's group and core
-        _write(os.path.join(rival_group, "tasks"), str(pid))
+        _write(os.path.join(path, procs), str(main))  # v1: this thread alone
     else:  # v2: no process in an inner group, so the rank and its rival are two leaves under it
         _enable_cpu(_V2)
         _enable_cpu(path)
         ours = os.path.join(path, "rank")
         os.makedirs(ours, exist_ok=True)
         os.makedirs(rival_group, exist_ok=True)
-        _write(os.path.join(ours, "cpu.weight"), str(_WEIGHT[kind]))
-        _write(os.path.join(rival_group, "cpu.weight"), str(rival_weight(speed, kind)))
-        _write(os.path.join(ours, "cgroup.procs"), str(os.getpid()))
-        pid = _start_rival(core)
-        _write(os.path.join(rival_group, "cgroup.procs"), str(pid))
+        _write(os.path.join(ours, weight), str(nice0))
+        _write(os.path.join(ours, procs), str(os.getpid()))
+    _write(os.path.join(rival_group, weight), str(rival_weight(speed, kind)))
+    pid = _start_rival(core)  # forked from this thread: it starts in this thread's group and core
+    _write(os.path.join(rival_group, procs), str(pid))
     return Emulation(speed, core, path, whole_process=kind != "v1", rival=pid)
 
 

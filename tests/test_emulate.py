@@ -110,7 +110,7 @@ def test_ranks_sharing_cores_are_slowed_by_a_quota():
 
 def test_the_rival_weight_leaves_the_rank_its_speed():
     for kind in ("v1", "v2"):
-        w = emulate._WEIGHT[kind]
+        w = emulate._KNOBS[kind][1]
         for speed in (0.25, 0.5, 0.75, 0.9):
             assert w / (w + emulate.rival_weight(speed, kind)) == pytest.approx(speed, rel=0.01)
     assert emulate.rival_weight(1e-6, "v1") == 262144 and emulate.rival_weight(0.999, "v2") == 1, "clamped"

@@ -183,7 +183,7 @@ def _avg_pool(g, m, qual, a):
 def _batch_norm(g, m, qual, a):
     # SyncBatchNorm over every rank (its default group) is batch norm over the global batch: what
     # the program computes for a batch-sharded batch norm (two all-reduces, hapc.collectives.fused);
-    # one over a subgroup is refused before capture (trace._refuse_wrappers)
+    # one over a subgroup is refused before capture (trace._refuse_setups)
     if m.training and m.track_running_stats and m.momentum is None:
         return None  # cumulative moving average needs num_batches_tracked: keep the module
     training = m.training or not m.track_running_stats

@@ -400,8 +400,7 @@ def trace(
         raise TraceError(f"hapc traces nn.Module instances, got {type(model).__name__}")
     if capture not in CAPTURES:
         raise TraceError(f"capture must be one of {CAPTURES}, got {capture!r}")
-    _refuse_wrappers(model)
-    _refuse_backward_hooks(model)
+    _refuse_setups(model)
     if capture == "export":
         try:
             with _no_state_assignment(), _bincount_with_minlength_as_one_hot():
@@ -440,51 +439,58 @@ def _forward_hooked(m: nn.Module) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks or mm._global_forward_hooks or mm._global_forward_pre_hooks)
 
 
-def _refuse_wrappers(model: nn.Module) -> None:
-    """A model still wrapped for another data-parallel runtime (DDP, DataParallel, FSDP): hapc replaces
-    it and needs the model itself -- tracing the wrapper failed with fx's iteration error. And a
-    ``SyncBatchNorm`` over a subgroup, whose statistics are not the global batch's (one over every
-    rank is batch norm over the global batch: normalize._batch_norm)."""
-    wrapped = isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel))
-    if not wrapped and "torch.distributed.fsdp" in sys.modules:  # fully_shard makes FSDP<Class> modules
-        from torch.distributed.fsdp import FSDPModule
-
-        wrapped = any(isinstance(m, FSDPModule) for m in model.modules())
-    if wrapped:
-        raise TraceError(
-            f"hapc.compile takes the model itself, not a model prepared for another runtime ({type(model).__name__}"
-            f"{'' if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) else ', fully_shard'}): "
-            "hapc replaces DistributedDataParallel / FSDP -- pass the plain model (DDP's model.module, or the model "
-            "before fully_shard)"
-        )
-    for name, m in model.named_modules():
-        if isinstance(m, nn.SyncBatchNorm) and m.process_group is not None:
-            raise TraceError(
-                f"{name}: SyncBatchNorm with a process_group takes its statistics over that group's share of the "
-                "batch; hapc computes them over the whole global batch (as SyncBatchNorm over all ranks does, and "
-                "batch norm on one device). Leave process_group unset, or use nn.BatchNorm*d"
-            )
+#: why a module backward hook cannot run, and what to do instead (_refuse_setups)
+_BACKWARD_HOOK_FIX = (
+    "hapc's program computes the backward of the traced forward and would not run it. Remove it and "
+    "transform the parameters' gradients after loss.backward() returns (to change gradients flowing "
+    "through the module, write that into the forward as a torch.autograd.Function)"
+)
+_WRAPPER_FIX = (
+    "hapc replaces DistributedDataParallel / FSDP -- pass the plain model (DDP's model.module, or the model "
+    "before fully_shard)"
+)
 
 
-def _refuse_backward_hooks(model: nn.Module) -> None:
-    """Module backward hooks (``register_full_backward_hook``, ``register_backward_hook``,
-    ``register_full_backward_pre_hook``) act on gradients the compiled program computes itself from
-    the traced forward: they would not run, and training would silently differ from one device."""
+def _refuse_setups(model: nn.Module) -> None:
+    """What a model can carry that the capture would silently drop or misread, refused before it
+    runs, in one walk over the modules:
+
+    * a wrapper of another data-parallel runtime (DDP, DataParallel, ``fully_shard``'s FSDP<Class>
+      modules): hapc replaces it and needs the model itself (tracing the wrapper failed with fx's
+      iteration error);
+    * a ``SyncBatchNorm`` over a subgroup: its statistics are not the global batch's (one over every
+      rank is batch norm over the global batch, :func:`hapc.theory.normalize._batch_norm`);
+    * a module backward hook (``register_full_backward_hook``, ``register_backward_hook``,
+      ``register_full_backward_pre_hook``, or a global one): it acts on gradients the program
+      computes itself from the traced forward, so it would never run."""
     from torch.nn.modules import module as mm
 
-    fix = (
-        "hapc's program computes the backward of the traced forward and would not run it. Remove it and "
-        "transform the parameters' gradients after loss.backward() returns (to change gradients flowing "
-        "through the module, write that into the forward as a torch.autograd.Function)"
-    )
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        raise TraceError(f"hapc.compile takes the model itself, not a {type(model).__name__}: {_WRAPPER_FIX}")
     if mm._global_backward_hooks or mm._global_backward_pre_hooks:
-        raise TraceError(f"a global module backward hook is registered (torch.nn.modules.module): {fix}")
+        raise TraceError(f"a global module backward hook is registered (torch.nn.modules.module): {_BACKWARD_HOOK_FIX}")
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing was fully_shard-ed
+    sharded = getattr(fsdp, "FSDPModule", ())
+
+    def where(name: str, m: nn.Module) -> str:
+        return f"module {name!r} ({type(m).__name__})" if name else f"the model ({type(m).__name__})"
+
     for name, m in model.named_modules():
-        if m._backward_hooks or m._backward_pre_hooks:
-            where = f"module {name!r} ({type(m).__name__})" if name else f"the model ({type(m).__name__})"
+        if isinstance(m, sharded):
             raise TraceError(
-                f"{where} has a backward hook (register_full_backward_hook, register_backward_hook or "
-                f"register_full_backward_pre_hook): {fix}"
+                f"hapc.compile takes the model itself, not one prepared by fully_shard ({where(name, m)}): "
+                + _WRAPPER_FIX
+            )
+        if isinstance(m, nn.SyncBatchNorm) and m.process_group is not None:
+            raise TraceError(
+                f"{where(name, m)}: SyncBatchNorm with a process_group takes its statistics over that group's "
+                "share of the batch; hapc computes them over the whole global batch (as SyncBatchNorm over all "
+                "ranks does, and batch norm on one device). Leave process_group unset, or use nn.BatchNorm*d"
+            )
+        if m._backward_hooks or m._backward_pre_hooks:
+            raise TraceError(
+                f"{where(name, m)} has a backward hook (register_full_backward_hook, register_backward_hook or "
+                f"register_full_backward_pre_hook): {_BACKWARD_HOOK_FIX}"
             )
 
 
