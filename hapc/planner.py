@@ -56,6 +56,7 @@ unless no kind is left.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -670,8 +671,9 @@ def _price_pipelines(
     out exact wherever it is below ``above`` (a pruned one is no better than one priced), and at or
     above ``above`` otherwise, and the search moves to a count only if that count beats the least
     so far (which ``above`` is)."""
+    from .pipeline import stagecost
     from .pipeline.layers import build_layers
-    from .pipeline.planner import PipelinePruned, plan_pipeline, step_bound
+    from .pipeline.planner import stage_kinds, step_bound
     from .pipeline.replicas import layouts
     from .pipeline.runtime import micro_batches
     from .theory import derive, trace
@@ -697,6 +699,45 @@ def _price_pipelines(
                   for R, lay in candidates]  # fmt: skip
         visit.sort(key=lambda i: (bounds[i], i))
     slots: list[tuple[KindEstimate, Any] | None] = [None] * len(candidates)
+    if stagecost.WORKERS > 1 and hasattr(os, "fork") and len(candidates) > 1:
+        # a second process synthesizes the candidates' sub-mesh kinds in this order, ahead of need
+        kinds = [k for i in visit for k in stage_kinds(cluster, *candidates[i])]
+        cache["ahead"] = stagecost.Ahead(th, layers, kinds, cache)
+    try:
+        _price_candidates(
+            model, cluster, micro, th, layers, candidates, visit, slots, cache,
+            num_micro=num_micro, rows=rows, tag=tag, t0=t0, recompute=recompute, above=above,
+        )  # fmt: skip
+    finally:
+        ahead = cache.pop("ahead", None)
+        if ahead is not None:
+            ahead.close()
+    return [x for x in slots if x is not None]
+
+
+def _price_candidates(
+    model: torch.nn.Module,
+    cluster: Cluster,
+    micro: Any,
+    th: Any,
+    layers: Any,
+    candidates: list[tuple[int, str]],
+    visit: list[int],
+    slots: list[tuple[KindEstimate, Any] | None],
+    cache: dict[str, Any],
+    *,
+    num_micro: int,
+    rows: int,
+    tag: str,
+    t0: float,
+    recompute: str,
+    above: float | None,
+) -> None:
+    """:func:`_price_pipelines`' loop: each candidate in ``visit`` order planned (or pruned, or found
+    infeasible) into its slot."""
+    from .pipeline.planner import PipelinePruned, plan_pipeline
+
+    kind = "pipeline"
     for i in visit:
         R, layout = candidates[i]
         label = (kind if R == 1 else f"{kind} x{R} ({layout})") + tag
@@ -751,7 +792,6 @@ def _price_pipelines(
         est = KindEstimate(label, "feasible", pplan.time, summary=summary, seconds=seconds, replicas=R,
                            num_micro=num_micro)  # fmt: skip
         slots[i] = (est, pplan)
-    return [x for x in slots if x is not None]
 
 
 def segmented_floor(cluster: Cluster, cuts: int, precision: str | None = None) -> float:

@@ -241,6 +241,29 @@ def cluster_links(cluster: Cluster, names: Sequence[str]) -> Links:
     )
 
 
+def stage_kinds(
+    cluster: Cluster,
+    replicas: int = 1,
+    layout: str = "blocked",
+    order: Sequence[str] | None = None,
+    sizes: Sequence[int] | None = None,
+) -> list[tuple[Cluster, str, int]]:
+    """The sub-mesh kinds :func:`plan_pipeline` prices for these arguments, in :func:`cost_table`'s
+    order: ``(one replica's cluster, group, size)`` (what :class:`~hapc.pipeline.stagecost.Ahead`
+    synthesizes ahead of need)."""
+    from .replicas import replica_cluster
+
+    whole = Cluster.load(cluster) if not isinstance(cluster, Cluster) else cluster
+    sub = replica_cluster(whole, replicas, layout)
+    groups = {g.name: g for g in sub.groups}
+    return [
+        (sub, name, n)
+        for name in group_order(sub, order)
+        for n in submesh_sizes(groups[name])
+        if sizes is None or n in sizes
+    ]
+
+
 def cost_table(
     coster: StageCoster, layers: Sequence[Layer], names: Sequence[str], sizes: Sequence[int] | None = None
 ) -> CostTable:

@@ -42,7 +42,9 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import mmap
 import os
+import struct
 from collections.abc import Sequence
 
 import numpy as np
@@ -68,9 +70,10 @@ from .layers import Layer
 ONE_DEVICE_SHORTCUT = True
 #: search the data-parallel incumbent in stage costs without a deadline too (see layer_costs)
 INCUMBENT = False
-#: processes that synthesize sub-mesh kinds side by side (:meth:`StageCoster.prefetch`); 1: this
-#: one alone. The ``hapc`` command sets it to 2 where the host has 2 cores or more (a fresh,
-#: short-lived process, where forking is safe); library calls and tests keep 1.
+#: processes that synthesize sub-mesh kinds side by side (:meth:`StageCoster.prefetch`, and the
+#: planner's look-ahead process, :class:`Ahead`); 1: this one alone. The ``hapc`` command sets it to
+#: 2 where the host has 2 cores or more (a fresh, short-lived process, where forking is safe);
+#: library calls and tests keep 1.
 WORKERS = 1
 _FIELDS = ("fwd", "bwd", "sync", "mem_param", "mem_act", "keep")
 _LOWER_SCALARS = ("ref", "layer", "flops_c", "flops_r", "bytes_c", "bytes_r", "launches", "grad", "param_c",
@@ -271,6 +274,12 @@ class StageCoster:
         cost model alone, so the costs are bit for bit those of :meth:`layer_costs` in one process;
         a child that fails leaves its kinds to :meth:`layer_costs`. One-device kinds (no search)
         stay here. Nothing happens with ``WORKERS < 2`` or fewer than two kinds to synthesize."""
+        if self._shared.get("ahead") is not None:
+            # a look-ahead process synthesizes the kinds front to back (Ahead): this one takes them
+            # back to front, and waits only for a kind that process has begun
+            for group, size in reversed(list(kinds)):
+                self.layer_costs(group, size)
+            return
         todo, keys = [], set()
         for group, size in kinds:
             model = self._model(group, size)
@@ -323,6 +332,13 @@ class StageCoster:
         key = model_key(model)
         if key in self._costs:
             return self._costs[key]
+        ahead = self._shared.get("ahead")
+        if ahead is not None and not ahead.claim(key):  # the look-ahead process's: its result
+            got = ahead.take(key)
+            if got is not None:
+                self._costs[key] = got
+                self.syntheses += 1
+                return got
         space = self._space(model.m)
         ratios = model.even_ratios()
         result = None
@@ -494,3 +510,134 @@ class StageCoster:
         """Time and memory of layers ``lo..hi-1`` on ``size`` devices of ``group``."""
         lc = self.layer_costs(group, size)
         return {k: float(getattr(lc, k)[lo:hi].sum()) for k in ("fwd", "bwd", "sync", "mem_param", "mem_act")}
+
+
+def _pack(lc: LayerCosts) -> bytes:
+    """``lc`` as ``.npz`` bytes (what a forked process sends back through a pipe)."""
+    buf = io.BytesIO()
+    np.savez(buf, **{f: getattr(lc, f) for f in _FIELDS}, program_time=np.array(lc.program_time))
+    return buf.getvalue()
+
+
+def _unpack(data: bytes) -> LayerCosts:
+    got = np.load(io.BytesIO(data))
+    return LayerCosts(**{f: got[f] for f in _FIELDS}, program_time=float(got["program_time"]))
+
+
+class Ahead:
+    """Sub-mesh kinds synthesized ahead of need by one forked process (:data:`WORKERS` >= 2).
+
+    ``kinds``: ``(cluster, group, size)`` in the order the planner will price them (its candidates'
+    kinds, candidate by candidate). The process synthesizes them front to back -- each with
+    :meth:`StageCoster.layer_costs` of the cluster it comes from, on its own copy of ``cache`` -- and
+    sends each :class:`LayerCosts` back as it finishes; it runs on while this process runs the
+    pipeline DP, bounds a candidate or waits, which is where the second core idled with
+    :meth:`StageCoster.prefetch` alone. A kind is taken by one process only: each claims it in a
+    shared flag under a lock before synthesizing it (:meth:`claim`), and this one waits only for a
+    kind the other has claimed (:meth:`take`). Results wait here until :meth:`StageCoster.layer_costs`
+    asks for them, so the costs a candidate's synthesis-free bound sees
+    (:meth:`StageCoster.lower_per_micro`) are those of one process, and kinds synthesized for a
+    candidate that is then pruned are never seen at all. Each synthesis is a function of its space
+    and cost model alone (as :meth:`StageCoster.prefetch` relies on), so every cost is bit for bit
+    that of one process. Kinds of one device (no search) and kinds priced already are left out.
+    :meth:`close` ends the process (its unfinished speculation is dropped)."""
+
+    def __init__(
+        self,
+        theory: Theory,
+        layers: Sequence[Layer],
+        kinds: Sequence[tuple[Cluster, str, int]],
+        cache: dict,
+        *,
+        memory_factor: float = 4.0,
+        baseline: str | None = None,
+    ):
+        import multiprocessing
+
+        self.items: list[tuple[Cluster, str, int]] = []
+        self.index: dict[tuple, int] = {}
+        costs = cache.get("costs", {})
+        for sub, group, size in kinds:
+            coster = StageCoster(theory, layers, sub, memory_factor=memory_factor, cache=cache, baseline=baseline)
+            model = coster._model(group, size)
+            key = model_key(model)
+            if key in self.index or key in costs or (model.m == 1 and ONE_DEVICE_SHORTCUT):
+                continue
+            self.index[key] = len(self.items)
+            self.items.append((sub, group, size))
+        self.got: dict[int, LayerCosts] = {}
+        self.pid = 0
+        if not self.items:
+            return
+        self.flags = mmap.mmap(-1, len(self.items))  # 0: free, 1: the other process's, 2: this one's
+        self.lock = multiprocessing.get_context("fork").Lock()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the look-ahead process: its kinds, then exit without the parent's teardown
+            code = 1
+            try:
+                os.close(read)
+                cache.pop("ahead", None)  # its own copy: synthesize, never wait
+                with os.fdopen(write, "wb") as out:
+                    for i, (sub, group, size) in enumerate(self.items):
+                        with self.lock:
+                            if self.flags[i]:
+                                continue
+                            self.flags[i] = 1
+                        coster = StageCoster(
+                            theory, layers, sub, memory_factor=memory_factor, cache=cache, baseline=baseline
+                        )
+                        data = _pack(coster.layer_costs(group, size))
+                        out.write(struct.pack("<qq", i, len(data)) + data)
+                        out.flush()
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        self.pid = pid
+        self.reader = os.fdopen(read, "rb")
+
+    def claim(self, key: tuple) -> bool:
+        """Whether the kind of ``key`` is this process's to synthesize (it claims it where nobody
+        has); False: the look-ahead process has claimed it (:meth:`take` waits for it)."""
+        i = self.index.get(key)
+        if i is None or not self.pid:
+            return True
+        if not self.lock.acquire(timeout=60):  # (held for a flag's test only: the other process is gone)
+            self.close()
+            return True
+        try:
+            if self.flags[i] == 0:
+                self.flags[i] = 2
+            return self.flags[i] == 2
+        finally:
+            self.lock.release()
+
+    def take(self, key: tuple) -> LayerCosts | None:
+        """The look-ahead process's costs of ``key``, waiting for them; None where that process
+        ended without them (the caller synthesizes the kind itself)."""
+        i = self.index[key]
+        while i not in self.got and self.pid:
+            head = self.reader.read(16)
+            if len(head) < 16:
+                self.close()
+                break
+            j, n = struct.unpack("<qq", head)
+            data = self.reader.read(n)
+            if len(data) < n:
+                self.close()
+                break
+            self.got[j] = _unpack(data)
+        return self.got.pop(i, None)
+
+    def close(self) -> None:
+        """End the look-ahead process (whatever it is synthesizing is not needed)."""
+        if not self.pid:
+            return
+        pid, self.pid = self.pid, 0
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+        self.reader.close()
