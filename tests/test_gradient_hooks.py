@@ -141,12 +141,27 @@ def test_module_backward_hooks_are_refused(kind):
         hapc.trace(model, inputs)
 
 
-def _compiled(rank, world):
+def _compiled(rank, world, hook=False):
     model, inputs = models.load("mlp", dtype=F64)
-    m = torch.compile(hapc.compile(model, TWO, inputs))
+    inner = hapc.compile(model, TWO, inputs)
+    m = torch.compile(inner)
     loss = m(*inputs)
     loss.backward()
+    if hook:  # added once the module runs compiled: its forward's check is not in the compiled graph
+        next(inner.parameters()).register_hook(lambda g: g * 2)
+        inner.zero_grad()
+        loss = m(*inputs)
+        try:
+            loss.backward()
+        except HapcError as e:
+            return str(e)
+        return None
     return float(loss), m.full_gradients()
+
+
+def test_a_hook_on_a_module_that_runs_compiled_is_refused_at_its_backward():
+    for refused in run_distributed(_compiled, 2, True, timeout=300):
+        assert refused is not None and "gradient hook added after hapc.compile" in refused
 
 
 def test_torch_compile_of_the_module_is_not_mistaken_for_a_hook():

@@ -315,6 +315,111 @@ def test_zero_grad_on_the_original_model_clears_the_module(world, kind, set_to_n
         assert_close(state, model.state_dict(), F64, "parameters after three steps")
 
 
+def _original_gradients(rank, world, plan):
+    model, inputs = models.load("mlp", dtype=F64)
+    m = hapc.compile(model, CLUSTERS[world], inputs, plan=plan)
+    m(*inputs).backward()
+    norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9)  # through the module: one device's norm
+    refused = {}
+    for name, use in {
+        "clip_grad_norm_": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0),
+        "clip_grad_norm_ foreach": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True),
+        "clip_grad_value_": lambda: torch.nn.utils.clip_grad_value_(model.parameters(), 1.0),
+        "a norm logged": lambda: [p.grad.norm() for p in model.parameters()],
+        "grad.data": lambda: [p.grad.data.abs().max() for p in model.parameters()],
+    }.items():
+        with pytest.raises(hapc.HapcError, match=r"module\.parameters\(\)") as err:
+            use()
+        refused[name] = str(err.value)
+    # what torch does to a model's gradients on its behalf still works
+    w = next(p for p in model.parameters() if p.dim() == 2)
+    assert w.grad is not None and w.grad.shape == w.shape and w.grad.dtype == w.dtype
+    assert all(p.grad is None for p in copy.deepcopy(model).parameters()), "a copy has no gradients"
+    model.zero_grad(set_to_none=False)
+    model.float()
+    assert w.grad.dtype == torch.float32 and w.grad.shape == w.shape
+    model.double()
+    # the trained weights written back: the model trains by itself, with real gradients
+    m.zero_grad()
+    m(*inputs).backward()
+    torch.optim.SGD(m.parameters(), lr=0.05).step()
+    m.unwrap()
+    model.zero_grad()
+    model(*inputs).backward()
+    own = {n: p.grad.clone() for n, p in model.named_parameters()}
+    own_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    return refused, float(norm), own, float(own_norm)
+
+
+@pytest.mark.parametrize("world, kind", [(2, "default"), (3, "tp")])
+def test_the_original_models_gradients_are_refused_not_read_as_none(world, kind):
+    """``clip_grad_norm_(model.parameters())`` on the model given to compile clipped nothing: its
+    parameters never get gradients (the module trains its own), so the norm was 0. Every read of
+    them now raises, naming ``module.parameters()``; once ``unwrap()`` has written the weights back
+    the model trains by itself with gradients of its own."""
+    model, inputs = models.load("mlp", dtype=F64)
+    model(*inputs).backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+    model.zero_grad()
+    model(*inputs).backward()
+    torch.optim.SGD(model.parameters(), lr=0.05).step()
+    model.zero_grad()
+    model(*inputs).backward()
+    after = {n: p.grad for n, p in model.named_parameters()}
+    after_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+    for refused, got_norm, own, own_norm in run_distributed(_original_gradients, world, _plan("mlp", world, kind)):
+        assert len(refused) == 5
+        assert got_norm == pytest.approx(norm, rel=1e-12), "the module's norm is one device's"
+        assert_close(own, after, F64, "the model's own gradients after unwrap()")
+        assert own_norm == pytest.approx(after_norm, rel=1e-12)
+
+
+def _ema_of_the_original(rank, world, plan):
+    model, inputs = models.load("mlp", dtype=F64)
+    ema = torch.optim.swa_utils.AveragedModel(model)  # a copy of the initial weights
+    m = hapc.compile(model, CLUSTERS[world], inputs, plan=plan)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    m(*inputs).backward()
+    opt.step()
+    model.zero_grad()  # the loop's habit: still allowed on a stale model
+    with pytest.raises(hapc.HapcError, match=r"module\.unwrap\(\)"):
+        ema.update_parameters(model)  # averaged the weights it was compiled with
+    with pytest.raises(hapc.HapcError, match=r"trained past"):
+        with torch.no_grad():
+            [e.lerp_(p, 0.1) for e, p in zip(ema.module.parameters(), model.parameters())]
+    w = next(iter(model.parameters()))
+    assert w.shape and w.dtype == F64 and w.requires_grad, "a stale parameter still describes itself"
+    m.unwrap()  # in sync: the model's parameters read the trained weights
+    ema.update_parameters(model)
+    m.zero_grad()
+    m(*inputs).backward()
+    opt.step()
+    with pytest.raises(hapc.HapcError, match=r"trained past"):
+        ema.update_parameters(model)
+    model.load_state_dict(m.state_dict())  # loading the module's weights syncs it too
+    ema.update_parameters(model)
+    return {k: v.clone() for k, v in ema.module.state_dict().items()}
+
+
+@pytest.mark.parametrize("world, kind", [(2, "default"), (3, "tp")])
+def test_an_ema_of_the_original_model_is_refused_while_it_is_stale(world, kind):
+    """``AveragedModel(model).update_parameters(model)`` after compile averaged the weights the model
+    was compiled with: the module trains its own. Once an optimizer has stepped the module, reading
+    the model's parameters raises (naming ``module.unwrap()``); after ``unwrap()`` or a load of the
+    module's weights the EMA is one device's."""
+    model, inputs = models.load("mlp", dtype=F64)
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(2):
+        opt.zero_grad()
+        model(*inputs).backward()
+        opt.step()
+        ema.update_parameters(model)
+    want = ema.module.state_dict()
+    for got in run_distributed(_ema_of_the_original, world, _plan("mlp", world, kind)):
+        assert_close(got, want, F64, "the EMA after two updates")
+
+
 # -- item 2: ranks given different targets the plan takes whole ---------------------------------------
 
 

@@ -672,8 +672,9 @@ class CompiledModule(nn.Module):
         rank's slice of a sharded one -- not on the single-device gradient: refused, at the next
         forward (with several ranks; on one the gradient is whole and a hook is exact). Not while
         ``torch.compile`` traces the forward: dynamo's view of a parameter's hooks is not the
-        parameter's (it counted more, refusing every compiled call), so a hook added to a module
-        that only ever runs under ``torch.compile`` is not caught."""
+        parameter's (it counted more, refusing every compiled call). A module that only ever runs
+        under ``torch.compile`` is checked at the end of each backward instead (``_finish_sync``,
+        an eager callback), after the hook has run but before anything is stepped: the backward raises."""
         if torch.compiler.is_compiling():
             return
         for name, p, own in self._own_hooks:
@@ -815,10 +816,12 @@ class CompiledModule(nn.Module):
             for p, view, got in zip(self._buckets[b], self._views[b], summed):
                 if got:  # else no gradient reached it (frozen, or left out of backward(inputs=...)): as on one device
                     p.grad = view
-        self._restore_gradients()
+        self._restore_gradients()  # (removes the accumulation's own hooks, before the check below)
         self._reset_sync()
         self.__dict__["_unsynced"] = False
         self.__dict__["_synced"] = True
+        if self.world > 1:  # (the forward's check does not run where torch.compile traced it; this
+            self._refuse_user_hooks()  # callback runs eagerly: a hook added there is refused here)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, **kwargs: Any) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over this module's parameters: the single-device total

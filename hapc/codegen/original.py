@@ -39,6 +39,31 @@ One more habit trains nothing without an error: an optimizer built over ``model.
 gradient, so every step is a no-op. A global optimizer step pre-hook checks each optimizer once,
 at its first step: stepping guarded parameters that have no gradient while the module's have
 raises, saying to build the optimizer over ``module.parameters()``.
+
+The model's gradients are never computed either, so anything that reads them would see nothing:
+``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` -- with DDP the gradients it clips --
+would find no gradient, return a norm of 0 and clip nothing, silently. So each parameter of the
+model without a gradient gets a :class:`NoGrad` at compile (and again after ``model.zero_grad()``):
+a placeholder of the parameter's shape, dtype and device that holds one element (a stride-0
+view) and raises a :class:`~hapc.errors.HapcError` naming ``module.parameters()`` at any use of
+its values -- a norm, a clamp, ``.item()``, printing. What torch does to gradients on the model's
+behalf stays possible: reading their shape, dtype or device, ``model.to(...)`` / ``model.double()``
+(the placeholder converts to another placeholder), ``model.zero_grad()``, ``copy.deepcopy`` and
+``torch.save`` (parameters copy and pickle without their gradients). The model's own forward
+removes them (the model is then trained by itself, its own backward fills its gradients);
+a gradient the model already holds at compile is left alone.
+
+Its parameters' values go stale the same way, and reading them is how an EMA is usually kept:
+``AveragedModel(model).update_parameters(model)``, or ``ema_p.lerp_(p, ...)`` over
+``model.parameters()``, would average the weights the model was compiled with, silently. So once
+an optimizer has stepped the module past the model (a global optimizer step post-hook), each of
+the model's ``nn.Parameter`` objects becomes a :class:`StaleParameter` (its class switched in
+place, as :mod:`hapc.codegen.grad_norm` does for gradients): any use of its values raises, naming
+``module.unwrap()`` and the module's parameters, while describing it and writing into it
+(``load_state_dict``, which brings the model back in sync) still work. ``module.unwrap()`` or a
+``load_state_dict`` switches them back to ``nn.Parameter``. (A step not made by an optimizer -- a
+hand-written ``p.sub_(lr * p.grad)`` over the module's parameters -- is caught at the module's
+next forward.)
 """
 
 from __future__ import annotations
@@ -67,6 +92,7 @@ class Guard:
         self.sentinels = _sentinels(owner)  # the owner's parameters and their versions at `synced`
         self.holds_weights = not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
         self.writing = False
+        self.poisoned = False  # the model's parameters are StaleParameters (see poison)
         self.switching = False
         self.model = weakref.ref(model)
         self.model_state = tensor_versions(model)  # the model's tensors when it last matched the module
@@ -85,6 +111,9 @@ class Guard:
         ref = weakref.ref(self)
         for p in model.parameters():  # no attribute on the tensor: torch.save(model) must still pickle
             _GUARD_OF[p] = ref
+        for q in owner.parameters():
+            _OWNER_OF[q] = ref
+        plant_no_grads(model, owner)
         _install_optimizer_check()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Guard:  # a copy of the model is just as stale
@@ -104,7 +133,28 @@ class Guard:
         finally:
             self.switching = False
 
+    def poison(self) -> None:
+        """The module has trained past the model: its parameters' values now raise when used."""
+        model = self.model()
+        if model is None or self.poisoned:
+            return
+        for p in model.parameters():
+            if type(p) is nn.Parameter:  # (a parameter class of the user's own is left as it is)
+                p.__class__ = StaleParameter
+        self.poisoned = True
+
+    def cure(self) -> None:
+        """The model holds the module's state again (or hapc reads it): plain parameters."""
+        model = self.model()
+        if model is None or not self.poisoned:
+            return
+        for p in model.parameters():
+            if type(p) is StaleParameter:
+                p.__class__ = nn.Parameter
+        self.poisoned = False
+
     def mark_synced(self) -> None:
+        self.cure()
         self.synced = versions(self.owner)
         self.moved = False
         self.sentinels = _sentinels(self.owner)
@@ -158,6 +208,8 @@ class Guard:
 
     def _on_use(self, module: nn.Module, args: Any) -> None:
         self.check("a forward")
+        if torch.is_grad_enabled():  # the model trained by itself: its own backward fills its gradients
+            clear_no_grads(module)
 
     def _on_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if not self.writing:
@@ -179,6 +231,8 @@ class Guard:
         model = self.model()
         if model is None or owner is not self.owner:  # a copy of the module (an EMA) is not guarded
             return
+        if self.moved and not self.poisoned:
+            self.poison()
         mods = _Tree.of(model)  # one walk for both checks, remembered while the model's tree holds
         # a module that has trained (stale) may see its model changed (weights loaded to evaluate):
         # once it is known to have moved, the model's tensors are not walked at every step. A
@@ -213,11 +267,18 @@ def guard_suspended(model: nn.Module) -> Iterator[None]:
     """hapc's own captures of ``model`` after compile (another batch size, other constant inputs)
     call it while it may be stale: only shapes and control flow are read, so its guard stands aside."""
     guard = model.__dict__.pop(_ATTR, None)
+    poisoned = guard is not None and guard.poisoned
+    if guard is not None:
+        clear_no_grads(model)  # (export's fake copy of the model reads its gradients and parameters)
+        guard.cure()
     try:
         yield
     finally:
         if guard is not None:
             model.__dict__[_ATTR] = guard
+            plant_no_grads(model, guard.owner)
+            if poisoned:
+                guard.poison()
 
 
 def _no_guard() -> None:
@@ -272,10 +333,14 @@ class _ModelZeroGrad:
 
     def __call__(self, set_to_none: bool = True) -> None:
         model = self.model
-        type(model).zero_grad(model, set_to_none)
         g = model.__dict__.get(_ATTR)
-        if isinstance(g, Guard) and g.model() is model:  # not a copy (an EMA)
+        ours = isinstance(g, Guard) and g.model() is model  # not a copy (an EMA)
+        if ours:
+            clear_no_grads(model)  # torch's zero_grad(set_to_none=False) would zero them in place
+        type(model).zero_grad(model, set_to_none)
+        if ours:
             g.owner.zero_grad(set_to_none)
+            plant_no_grads(model, g.owner)
 
 
 class _OwnerTrain:
@@ -403,6 +468,202 @@ def ensure_fresh(model: nn.Module) -> None:
         g.check("hapc.compile")
 
 
+class NoGrad(torch.Tensor):
+    """The ``.grad`` of a parameter of a model given to ``hapc.compile``: that gradient is never
+    computed (the compiled module trains its own copies), so any use of its values raises.
+
+    Describing it -- shape, dtype, device, ``requires_grad`` -- answers truly, and the conversions
+    torch applies to a model's gradients (``model.to(...)``, ``.double()``, ``.cpu()``,
+    ``to_empty``) give another placeholder; everything else raises a HapcError naming
+    ``module.parameters()``. It holds one element, seen at every index (stride 0).
+
+    Example::
+
+        >>> import torch, hapc
+        >>> from hapc.codegen.original import NoGrad
+        >>> model = torch.nn.Linear(4, 2)
+        >>> module = hapc.compile(model, "local-cpu:1", (torch.randn(3, 4),))  # doctest: +SKIP
+        >>> isinstance(model.weight.grad, NoGrad)  # doctest: +SKIP
+        True
+        >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # doctest: +SKIP
+        Traceback (most recent call last):
+        hapc.errors.HapcError: ... clip and read the module's: module.parameters() ...
+    """
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _DESCRIBE or _describes(func):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if func in _CONVERT and args and isinstance(args[0], NoGrad):
+            shape = tuple(args[0].shape)
+            with torch._C.DisableTorchFunctionSubclass():
+                one = torch.zeros((), dtype=args[0].dtype, device=args[0].device)
+                out = func(one, *args[1:], **kwargs)
+                return no_grad_like(out, shape) if isinstance(out, torch.Tensor) else out
+        name = getattr(func, "__name__", None) or repr(func)
+        raise HapcError(
+            f"{name} on a gradient of the model given to hapc.compile: that model's gradients are never computed "
+            "-- the compiled module trains its own (possibly sharded) copies of the parameters, and a norm or a "
+            "clip of these would see nothing. Clip and read the module's: module.parameters() / "
+            "module.named_parameters(), e.g. torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm) (exact: "
+            "the whole model's norm on every rank); build optimizers over module.parameters()"
+        )
+
+
+#: what a placeholder gradient answers truly: its description (what torch.compile's tracer reads of
+#: every tensor the guard's hooks reach too), and the in-place updates of it that torch's
+#: ``Module._apply`` makes (``p.grad.data = converted``, ``requires_grad_``)
+_DESCRIBE = {
+    torch.Tensor.data.__set__,
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.numel,
+    torch.Tensor.stride,
+    torch.Tensor.storage_offset,
+    torch.Tensor.untyped_storage,
+    torch.Tensor.is_contiguous,
+    torch.Tensor._is_view,
+    torch.Tensor.is_conj,
+    torch.Tensor.is_neg,
+    torch.Tensor.is_inference,
+    torch.Tensor._is_zerotensor,
+    torch.Tensor.is_floating_point,
+    torch.Tensor.is_complex,
+    torch.Tensor.element_size,
+    torch.Tensor.get_device,
+    torch.Tensor.requires_grad_,
+    torch._has_compatible_shallow_copy_type,
+}
+#: properties that give the values (as another tensor): not a description (``.grad`` of the
+#: placeholder is None: a description)
+_VALUED = frozenset({"data", "real", "imag", "T", "mT", "H", "mH"})
+
+
+def _describes(func: Any) -> bool:
+    """A property getter (``t.shape``, ``t.dtype``, ``t.is_leaf``, ...) other than one of :data:`_VALUED`."""
+    return getattr(func, "__name__", None) == "__get__" and getattr(func.__self__, "__name__", None) not in _VALUED
+
+
+#: conversions (``model.to(...)``, ``model.double()``, ``model.to_empty(...)``): another placeholder
+_CONVERT = {
+    torch.Tensor.to,
+    torch.Tensor.type,
+    torch.Tensor.double,
+    torch.Tensor.float,
+    torch.Tensor.half,
+    torch.Tensor.bfloat16,
+    torch.Tensor.cpu,
+    torch.Tensor.cuda,
+    torch.Tensor.detach,
+    torch.empty_like,
+}
+
+
+def no_grad_like(like: torch.Tensor, shape: tuple[int, ...]) -> NoGrad:
+    """A placeholder gradient of ``shape`` with ``like``'s dtype and device (one element)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        # one element seen at every index (stride 0), allocated as such: not a view of another tensor
+        t = torch.empty_strided(shape, (0,) * len(shape), dtype=like.dtype, device=like.device)
+        if not t.is_meta and t.numel():
+            t.as_strided((1,), (1,)).zero_()
+        return t.as_subclass(NoGrad)
+
+
+def plant_no_grads(model: nn.Module, owner: nn.Module) -> None:
+    """Give every trainable parameter of ``model`` without a gradient a :class:`NoGrad` (``owner``'s
+    own parameters excepted, should the module share one: those are the ones that train)."""
+    owned = {id(q) for q in owner.parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None and id(p) not in owned:
+                p.grad = no_grad_like(p, tuple(p.shape))
+
+
+def clear_no_grads(model: nn.Module) -> None:
+    """Remove the placeholders :func:`plant_no_grads` gave (real gradients stay)."""
+    for p in model.parameters():
+        if isinstance(p.grad, NoGrad):
+            p.grad = None
+
+
+class StaleParameter(nn.Parameter):
+    """A parameter of a model given to ``hapc.compile`` once the compiled module has trained past
+    it: it still holds the weights the model was compiled with, so any use of its values raises.
+
+    Describing it (shape, dtype, device, ``requires_grad``, ``.grad``) answers truly, and writing
+    into it (``copy_``: ``model.load_state_dict``, which brings the model back in sync) works.
+    ``module.unwrap()`` switches it back to ``nn.Parameter``.
+
+    Example::
+
+        >>> ema = torch.optim.swa_utils.AveragedModel(model)  # doctest: +SKIP
+        >>> module = hapc.compile(model, cluster, inputs)  # doctest: +SKIP
+        >>> optimizer.step()  # over module.parameters()  # doctest: +SKIP
+        >>> ema.update_parameters(model)  # doctest: +SKIP
+        Traceback (most recent call last):
+        hapc.errors.HapcError: ... has trained past ... module.unwrap() ...
+    """
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> StaleParameter:
+        """A copy of a stale model is just as stale (its guard is the model's: :meth:`Guard.__deepcopy__`)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            out = nn.Parameter(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
+        out.__class__ = StaleParameter
+        memo[id(self)] = out
+        return out
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """``torch.save(model)``: refused by the model's guard, which says why and what to do."""
+        ref = _GUARD_OF.get(self)
+        g = ref() if ref is not None else None
+        if g is not None:
+            g.check("torch.save(model)")
+        raise _stale_use("pickling")
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _DESCRIBE or func in _WRITES or _describes(func):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        raise _stale_use(getattr(func, "__name__", None) or repr(func))
+
+
+def _stale_use(name: str) -> HapcError:
+    return HapcError(
+        f"{name} on a parameter of the model given to hapc.compile, which the compiled module has trained past: "
+        "it holds the weights the model was compiled with. Read the module's instead -- an EMA over "
+        "module.parameters() or copy.deepcopy(module), module.state_dict() (keys as in the model) -- or call "
+        "module.unwrap() on every rank first: it writes the trained weights back into the model"
+    )
+
+
+#: writes into a stale parameter: ``load_state_dict`` copies into it (and brings the model back in sync)
+_WRITES = {torch.Tensor.copy_, torch.Tensor.grad.__set__}
+_OWNER_OF = WeakIdKeyDictionary()  # a compiled module's parameter -> weakref to its model's guard
+_STEPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> the guards its params reach
+
+
+def mark_stale(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """After an optimizer step: the models whose modules it stepped are stale (see :class:`StaleParameter`).
+    The guards an optimizer reaches are found at its first step; later steps cost one loop over them."""
+    guards = _STEPPED.get(optimizer)
+    if guards is None:
+        found = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                ref = _OWNER_OF.get(p)
+                if ref is not None:
+                    found[id(ref)] = ref
+        guards = _STEPPED[optimizer] = list(found.values())
+    for ref in guards:
+        g = ref()
+        if g is not None and not g.poisoned and g.model() is not None and g.stale():
+            g.poison()
+
+
 _CHECKED: weakref.WeakSet = weakref.WeakSet()  # optimizers whose parameters passed check_optimizer
 _GUARD_OF = WeakIdKeyDictionary()  # a guarded model's parameter -> weakref to its guard
 _HOOK: Any = None
@@ -411,9 +672,9 @@ _HOOK: Any = None
 def _install_optimizer_check() -> None:
     global _HOOK
     if _HOOK is None:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        _HOOK = register_optimizer_step_pre_hook(check_optimizer)
+        _HOOK = register_optimizer_step_pre_hook(check_optimizer), register_optimizer_step_post_hook(mark_stale)
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -427,7 +688,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) ->
         for p in group["params"]:
             ref = _GUARD_OF.get(p)
             g = ref() if ref is not None else None
-            if g is None or p.grad is not None:
+            if g is None or (p.grad is not None and not isinstance(p.grad, NoGrad)):
                 continue
             suspect = True
             if any(q.grad is not None for q in g.owner.parameters()):
