@@ -138,8 +138,9 @@ class Guard:
         model = self.model()
         if model is None or self.poisoned:
             return
+        owned = {id(q) for q in self.owner.parameters()}  # (should the module share one: it trains)
         for p in model.parameters():
-            if type(p) is nn.Parameter:  # (a parameter class of the user's own is left as it is)
+            if type(p) is nn.Parameter and id(p) not in owned:  # (a class of the user's own is left as it is)
                 p.__class__ = StaleParameter
         self.poisoned = True
 
