@@ -9,7 +9,8 @@ float64 (loss and gradient, every reduction, ``zero_infinity``, interior and tra
 empty transcript, an infeasible one); a small CTC model trains as on one device on 2 and 3 gloo
 ranks (uneven ratios) with the CTC computed batch-sharded; the check raises where one device does;
 forms the capture does not recognise stay refused, naming the form. (tests/test_realworld.py has
-tiny Wav2Vec2ForCTC and HubertForCTC in the slow suite.)
+tiny Wav2Vec2ForCTC and HubertForCTC in the slow suite; tests/test_ctc_padded.py has them on padded
+audio, with an ``attention_mask``.)
 """
 
 from __future__ import annotations

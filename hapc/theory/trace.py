@@ -42,7 +42,7 @@ from .normalize import NORMALISERS, normalise_modules, normaliser
 from .opnames import canonical_name, qualified_name
 from .plain_meta import MetaMemo, without_sympy
 from .registry import Registry, default_registry
-from .static_forms import Guard, ctc_loss_call, drop_unused_masked_selects, guard_at
+from .static_forms import Guard, ItemWrites, ctc_loss_call, drop_unused_masked_selects, guard_at, numpy_draws_refused
 
 
 class CurrentDevice:
@@ -102,6 +102,11 @@ class _Proxy(fx.Proxy):
                 "optimizer.step(), under torch.no_grad())"
             )
         super().__setattr__(name, value)
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        """``x[index] = value``: the proxy stands for the written tensor from here on
+        (:class:`~hapc.theory.static_forms.ItemWrites`; forms it does not cover are refused)."""
+        self.tracer.writes.proxy_write(self, index, value)  # type: ignore[attr-defined]
 
     def __len__(self) -> int:
         val = self.node.meta.get("hapc_val", _MISSING)
@@ -208,6 +213,7 @@ class _Tracer(fx.Tracer):
         self.output_types: Any = None
         self.guards: list[Guard] = []  # the model's `if <tensor>: raise` checks (static_forms)
         self.control_flow: str | None = None  # where a truth value was refused (to_bool)
+        self.writes = ItemWrites(self, _where)  # `x[i] = v` with traced parts (static_forms)
 
     def to_bool(self, obj: fx.Proxy) -> bool:
         """The truth of a traced value: only in a check that raises (``if c: raise``, ``assert c``),
@@ -236,6 +242,8 @@ class _Tracer(fx.Tracer):
         top = self._arg_depth == 0
         if isinstance(a, slice) and any(map(_index_tensor, (a.start, a.stop, a.step))):
             a = _indexed_slice(a)
+        if isinstance(a, torch.Tensor) and self.writes.current:  # a real tensor a traced write reached
+            a = self.writes.current.get(a, a)
         self._arg_depth += 1
         try:
             out = super().create_arg(a)
@@ -403,7 +411,7 @@ def trace(
     _refuse_setups(model)
     if capture == "export":
         try:
-            with _no_state_assignment(), _bincount_with_minlength_as_one_hot():
+            with _no_state_assignment(), _bincount_with_minlength_as_one_hot(), numpy_draws_refused(_where):
                 return _trace_export(model, example_inputs, loss)
         except TraceError as export_error:
             if hint := _library_hint(model, export_error):
@@ -416,13 +424,14 @@ def trace(
             _restoring(model, buffers),
             _state_unchanged(model),
             _bincount_with_minlength_as_one_hot(),
+            numpy_draws_refused(_where),
         ):
             return _trace_fx(model, example_inputs, leaf_modules, registry, loss)
     except TraceError as fx_error:
         if capture == "fx" or leaf_modules or _mutation_error(fx_error):
             raise
         try:
-            with _no_state_assignment(), _bincount_with_minlength_as_one_hot():
+            with _no_state_assignment(), _bincount_with_minlength_as_one_hot(), numpy_draws_refused(_where):
                 return _trace_export(model, example_inputs, loss)
         except TraceError as export_error:
             hint = _library_hint(model, export_error)
@@ -545,7 +554,12 @@ def _library_hint(model: nn.Module, exc: TraceError) -> str | None:
     NumPy and assembled in place), whose ``"original_full"`` attention trains as one device."""
     hint = _experts_loop_hint(model, exc)
     config = getattr(model, "config", None)
-    if hint is None and getattr(config, "attention_type", None) == "block_sparse" and "in-place" in str(exc):
+    why = str(exc)
+    if (
+        hint is None
+        and getattr(config, "attention_type", None) == "block_sparse"
+        and ("in-place" in why or "NumPy" in why)
+    ):
         hint = (
             f'{type(model).__name__} uses block-sparse attention (attention_type="block_sparse": random '
             'blocks, assembled in place): build it with attention_type="original_full", which hapc captures'
@@ -797,8 +811,10 @@ def _trace_fx(model: nn.Module, example_inputs: Any, leaf_modules: Sequence[type
                 autocast_regions(tracer.autocast),
                 CaptureDraws(tracer, _where),
                 _scripted_functions_as_python(model),
+                tracer.writes,
             ):
                 graph = tracer.trace(model, concrete_args=_none_inputs(model, example_inputs))
+            tracer.writes.check(graph, _may_alias)
         except TraceError as exc:
             raise TraceError(f"cannot trace {type(model).__name__}: {exc}") from exc
         except Exception as exc:
