@@ -1,6 +1,6 @@
 """Value-dependent Python the fx capture turns into static graph nodes, exactly (DESIGN §9 "exact or refused").
 
-Two forms, each recognised precisely; anything else stays refused by the capture with its cause:
+Three forms, each recognised precisely; anything else stays refused by the capture with its cause:
 
 1. **A check that raises**: ``if <tensor>: raise E(...)`` (or ``if not <tensor>: raise``, an
    ``assert``). One device evaluates the condition and raises or goes on; a trace cannot branch on a
