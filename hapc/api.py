@@ -285,6 +285,7 @@ def compile(
     module._mode_branch = mode_branch
     module._constant_inputs = constant_inputs(model, example_inputs, graph, leaf_modules=tuple(leaf_modules), loss=loss)
     module._trace_options = {"leaf_modules": tuple(leaf_modules)}  # an odd batch is traced again likewise
+    module.carry_gradients(model)  # gradients of a backward before compile: the module's next backward adds to them
     guard(model, module)  # the model raises while stale: module.unwrap() writes the trained weights back
     return module
 

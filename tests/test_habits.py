@@ -315,6 +315,36 @@ def test_zero_grad_on_the_original_model_clears_the_module(world, kind, set_to_n
         assert_close(state, model.state_dict(), F64, "parameters after three steps")
 
 
+def _held_before_compile(rank, world, plan):
+    model, inputs = models.load("mlp", dtype=F64)
+    model(*inputs).backward()  # a backward before compile: the model holds its gradients
+    m = hapc.compile(model, CLUSTERS[world], inputs, plan=plan)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(2):  # zero_grad after the step: the first step adds the held gradients
+        m(*inputs).backward()
+        opt.step()
+        opt.zero_grad()
+    with pytest.raises(hapc.HapcError, match=r"module\.parameters\(\)"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # taken over: placeholders now
+    return m.full_state_dict()
+
+
+@pytest.mark.parametrize("world, kind", [(2, "default"), (3, "tp")])
+def test_gradients_held_at_compile_are_carried_into_the_first_step(world, kind):
+    """With DDP (whose module is the model) gradients of a backward run before wrapping are added
+    into the first step of a loop that zeroes after stepping; the compiled module started without
+    them. It now takes them over (each rank its share) and the model's become placeholders."""
+    model, inputs = models.load("mlp", dtype=F64)
+    model(*inputs).backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(2):
+        model(*inputs).backward()
+        opt.step()
+        opt.zero_grad()
+    for state in run_distributed(_held_before_compile, world, _plan("mlp", world, kind)):
+        assert_close(state, model.state_dict(), F64, "parameters after two steps")
+
+
 def _original_gradients(rank, world, plan):
     model, inputs = models.load("mlp", dtype=F64)
     m = hapc.compile(model, CLUSTERS[world], inputs, plan=plan)

@@ -1018,6 +1018,29 @@ class CompiledModule(nn.Module):
         if optimizer is not None and "optimizer" in state:
             self._load_optimizer(optimizer, state["optimizer"])
 
+    def carry_gradients(self, model: nn.Module) -> None:
+        """Take over the gradients ``model`` holds at compile (a backward run before it): this rank's
+        share of each becomes the ``.grad`` of the module's parameter, and the model's is cleared.
+
+        With DDP the module *is* the model, so a loop that zeroes gradients after its step
+        (``loss.backward(); opt.step(); opt.zero_grad()``) adds them into its first step; the next
+        backward here accumulates into them the same way (replicated: the earlier sum waits aside
+        while the new contributions are summed, :meth:`_prepare_accumulation`; sharded: each rank's
+        slice accumulates its own)."""
+        from .original import NoGrad
+
+        targets = self._targets()
+        with torch.no_grad():
+            for key, q in model.named_parameters():
+                if q.grad is None or isinstance(q.grad, NoGrad) or key not in targets:
+                    continue
+                attr = targets[key]
+                p = self._tensor(attr)
+                if p.requires_grad:
+                    ref, lay = self._layouts[attr]
+                    p.grad = self._slice(q.grad, ref, lay).to(device=p.device, dtype=p.dtype).clone()
+                q.grad = None
+
     def _load_optimizer(self, optimizer: torch.optim.Optimizer, full: dict[str, Any]) -> None:
         targets = self._targets()
         for key, st in full["state"].items():
