@@ -44,14 +44,16 @@ The model's gradients are never computed either, so anything that reads them wou
 ``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` -- with DDP the gradients it clips --
 would find no gradient, return a norm of 0 and clip nothing, silently. So each parameter of the
 model without a gradient gets a :class:`NoGrad` at compile (and again after ``model.zero_grad()``):
-a placeholder of the parameter's shape, dtype and device that holds one element (a stride-0
+a placeholder of the parameter's shape, dtype and device that holds one element (stride 0, not a
 view) and raises a :class:`~hapc.errors.HapcError` naming ``module.parameters()`` at any use of
 its values -- a norm, a clamp, ``.item()``, printing. What torch does to gradients on the model's
 behalf stays possible: reading their shape, dtype or device, ``model.to(...)`` / ``model.double()``
 (the placeholder converts to another placeholder), ``model.zero_grad()``, ``copy.deepcopy`` and
 ``torch.save`` (parameters copy and pickle without their gradients). The model's own forward
-removes them (the model is then trained by itself, its own backward fills its gradients);
-a gradient the model already holds at compile is left alone.
+removes them (the model is then trained by itself, its own backward fills its gradients).
+A gradient the model already holds at compile (a backward before it) is taken over by an SPMD
+module (``CompiledModule.carry_gradients``) and replaced by a placeholder; with a pipeline or
+segmented plan it stays the model's.
 
 Its parameters' values go stale the same way, and reading them is how an EMA is usually kept:
 ``AveragedModel(model).update_parameters(model)``, or ``ema_p.lerp_(p, ...)`` over
@@ -113,7 +115,7 @@ class Guard:
             _GUARD_OF[p] = ref
         for q in owner.parameters():
             _OWNER_OF[q] = ref
-        plant_no_grads(model, owner)
+        plant_no_grads(model)
         _install_optimizer_check()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Guard:  # a copy of the model is just as stale
@@ -138,9 +140,8 @@ class Guard:
         model = self.model()
         if model is None or self.poisoned:
             return
-        owned = {id(q) for q in self.owner.parameters()}  # (should the module share one: it trains)
-        for p in model.parameters():
-            if type(p) is nn.Parameter and id(p) not in owned:  # (a class of the user's own is left as it is)
+        for p in model.parameters():  # (a class of the user's own, or a parameter a module trains: left)
+            if type(p) is nn.Parameter and p not in _OWNER_OF:
                 p.__class__ = StaleParameter
         self.poisoned = True
 
@@ -277,7 +278,7 @@ def guard_suspended(model: nn.Module) -> Iterator[None]:
     finally:
         if guard is not None:
             model.__dict__[_ATTR] = guard
-            plant_no_grads(model, guard.owner)
+            plant_no_grads(model)
             if poisoned:
                 guard.poison()
 
@@ -341,7 +342,7 @@ class _ModelZeroGrad:
         type(model).zero_grad(model, set_to_none)
         if ours:
             g.owner.zero_grad(set_to_none)
-            plant_no_grads(model, g.owner)
+            plant_no_grads(model)
 
 
 class _OwnerTrain:
@@ -494,7 +495,7 @@ class NoGrad(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in _DESCRIBE or _describes(func):
+        if _describes(func):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if func in _CONVERT and args and isinstance(args[0], NoGrad):
@@ -543,7 +544,10 @@ _VALUED = frozenset({"data", "real", "imag", "T", "mT", "H", "mH"})
 
 
 def _describes(func: Any) -> bool:
-    """A property getter (``t.shape``, ``t.dtype``, ``t.is_leaf``, ...) other than one of :data:`_VALUED`."""
+    """One of :data:`_DESCRIBE`, or a property getter (``t.shape``, ``t.dtype``, ``t.is_leaf``, ...)
+    other than those of :data:`_VALUED`."""
+    if func in _DESCRIBE:
+        return True
     return getattr(func, "__name__", None) == "__get__" and getattr(func.__self__, "__name__", None) not in _VALUED
 
 
@@ -572,13 +576,12 @@ def no_grad_like(like: torch.Tensor, shape: tuple[int, ...]) -> NoGrad:
         return t.as_subclass(NoGrad)
 
 
-def plant_no_grads(model: nn.Module, owner: nn.Module) -> None:
-    """Give every trainable parameter of ``model`` without a gradient a :class:`NoGrad` (``owner``'s
-    own parameters excepted, should the module share one: those are the ones that train)."""
-    owned = {id(q) for q in owner.parameters()}
+def plant_no_grads(model: nn.Module) -> None:
+    """Give every trainable parameter of ``model`` without a gradient a :class:`NoGrad` (a parameter
+    a compiled module trains excepted, should one be shared: its gradients are real)."""
     with torch.no_grad():
         for p in model.parameters():
-            if p.requires_grad and p.grad is None and id(p) not in owned:
+            if p.requires_grad and p.grad is None and p not in _OWNER_OF:
                 p.grad = no_grad_like(p, tuple(p.shape))
 
 
@@ -626,7 +629,7 @@ class StaleParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in _DESCRIBE or func in _WRITES or _describes(func):
+        if func in _WRITES or _describes(func):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         raise _stale_use(getattr(func, "__name__", None) or repr(func))
