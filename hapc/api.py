@@ -420,9 +420,10 @@ def _compile_pipeline(
     **extra: Any,
 ) -> Any:
     """:func:`hapc.pipeline.compile_pipeline`, its module guarding ``model`` and recording the kinds priced."""
-    from .codegen.original import guard
+    from .codegen.original import guard, refuse_held_gradients
     from .pipeline import compile_pipeline
 
+    refuse_held_gradients(model, "pipeline")
     piped = compile_pipeline(
         model, cluster, example_inputs, plan, num_micro=num_micro, schedule=schedule, timeout=timeout,
         **options, **extra,
@@ -454,7 +455,7 @@ def _compile_segmented(
     import torch.distributed as dist
 
     from ._util import broadcast_json
-    from .codegen.original import guard
+    from .codegen.original import guard, refuse_held_gradients
     from .segmented import SegmentedModule, SegmentedPlan
 
     if blocked is not None:
@@ -493,6 +494,7 @@ def _compile_segmented(
             raise HapcError(data["error"])
         plan = SegmentedPlan.from_json(data)
     plan.check(cluster=cluster)
+    refuse_held_gradients(model, "segmented")
     module = SegmentedModule(model, example_inputs, plan, group=group, device=device, seed=seed)
     guard(model, module)  # the model raises while stale: module.unwrap() writes the trained weights back
     return module

@@ -552,6 +552,49 @@ def test_pipelined_original_model_raises_until_unwrapped():
         assert_close(unwrapped, want, F64, f"rank {rank}: pipeline unwrap()")
 
 
+def _held_gradients_pipelined(rank, world, zeroed):
+    torch.set_num_threads(1)
+    model, inputs = models.load("gpt", batch=8, dtype=F64)
+    model(*inputs).backward()  # a backward before compile: the model holds its gradients
+    if zeroed:  # zero_grad(set_to_none=False): all-zero gradients add nothing, and are cleared
+        model.zero_grad(set_to_none=False)
+        pm = hapc.compile(model, two_groups(), inputs, num_micro=4)
+        assert type(pm).__name__ == "PipelineModule"
+        opt = torch.optim.SGD(pm.parameters(), lr=0.05, momentum=0.9)
+        for _ in range(2):
+            pm.train_step(*inputs)
+            opt.step()
+            opt.zero_grad()
+        with pytest.raises(hapc.HapcError, match=r"module\.parameters\(\)"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # placeholders, not stale zeros
+        return pm.state_dict()
+    errors = {}
+    for kind, options in {"pipeline": {"num_micro": 4}, "segmented": {"segmented": True}}.items():
+        with pytest.raises(hapc.HapcError, match=r"holds gradients at compile") as err:
+            hapc.compile(model, two_groups() if kind == "pipeline" else cluster_of([1e10, 4e9]), inputs, **options)
+        errors[kind] = str(err.value)
+        assert all(p.grad is not None and p.grad.count_nonzero() for p in model.parameters()), "nothing lost"
+    return errors
+
+
+def test_gradients_held_at_compile_are_refused_by_pipelines_unless_zero():
+    """An SPMD module carries the gradients a backward before compile left on the model; a pipeline's
+    (or segmented plan's) stages did not, and left them on the model: the first step lacked them and
+    ``clip_grad_norm_(model.parameters())`` clipped the stale ones, silently. Now refused, naming
+    ``model.zero_grad()`` and the SPMD kind; all-zero gradients are cleared and training is exact."""
+    for errors in run_distributed(_held_gradients_pipelined, 2, False, timeout=240):
+        for kind in ("pipeline", "segmented"):
+            assert f"a {kind} plan" in errors[kind] and "model.zero_grad()" in errors[kind], errors[kind]
+    model, inputs = models.load("gpt", batch=8, dtype=F64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(2):
+        model(*inputs).backward()
+        opt.step()
+        opt.zero_grad()
+    for rank, state in enumerate(run_distributed(_held_gradients_pipelined, 2, True, timeout=240)):
+        assert_close(state, model.state_dict(), F64, f"rank {rank}: pipeline state after two steps")
+
+
 def _pipeline_masked_targets(rank, world, same):
     torch.set_num_threads(1)
     model, (idx, targets) = models.load("gpt", batch=8, dtype=F64)

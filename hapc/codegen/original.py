@@ -52,8 +52,8 @@ behalf stays possible: reading their shape, dtype or device, ``model.to(...)`` /
 ``torch.save`` (parameters copy and pickle without their gradients). The model's own forward
 removes them (the model is then trained by itself, its own backward fills its gradients).
 A gradient the model already holds at compile (a backward before it) is taken over by an SPMD
-module (``CompiledModule.carry_gradients``) and replaced by a placeholder; with a pipeline or
-segmented plan it stays the model's.
+module (``CompiledModule.carry_gradients``) and replaced by a placeholder; a pipeline or segmented
+plan refuses it unless it is all zero (:func:`refuse_held_gradients`).
 
 Its parameters' values go stale the same way, and reading them is how an EMA is usually kept:
 ``AveragedModel(model).update_parameters(model)``, or ``ema_p.lerp_(p, ...)`` over
@@ -583,6 +583,27 @@ def plant_no_grads(model: nn.Module) -> None:
         for p in model.parameters():
             if p.requires_grad and p.grad is None and p not in _OWNER_OF:
                 p.grad = no_grad_like(p, tuple(p.shape))
+
+
+def refuse_held_gradients(model: nn.Module, kind: str) -> None:
+    """A plan that cannot take over the gradients ``model`` holds at compile (a backward run before
+    it; ``kind``: "pipeline" or "segmented") refuses them rather than leave them behind: the module's
+    first step would lack what DDP's adds in (a loop that zeroes after its step), and
+    ``clip_grad_norm_(model.parameters())`` would clip the left-behind ones, silently. Gradients
+    that are all zero (``zero_grad(set_to_none=False)``) add nothing: they are cleared, and the
+    model gets placeholders as with none."""
+    held = [(n, p) for n, p in model.named_parameters() if p.grad is not None and not isinstance(p.grad, NoGrad)]
+    nonzero = [n for n, p in held if bool(p.grad.count_nonzero())]
+    if nonzero:
+        names = ", ".join(repr(n) for n in nonzero[:3]) + (f" and {len(nonzero) - 3} more" if len(nonzero) > 3 else "")
+        raise HapcError(
+            f"the model holds gradients at compile ({names}: a backward ran before hapc.compile), and a {kind} "
+            "plan's stages cannot take them over: its first step would lack them. Call model.zero_grad() before "
+            "hapc.compile if they are not meant for the first step, or compile an SPMD plan (pipeline=False, "
+            "segmented=False), which adds them into the module's first step as DDP does"
+        )
+    for _, p in held:
+        p.grad = None
 
 
 def clear_no_grads(model: nn.Module) -> None:
