@@ -13,7 +13,9 @@ of that direction, adds its collective time, and starts the next stage with its 
 Devices are *types* with multiplicities (``Cluster.device_types``); ``ratios[t]`` is the fraction
 of every sharded dimension held by *one* device of type ``t`` (``sum_t count_t * ratios[t] = 1``).
 Computation on type ``t``: ``flops(B_t) / flops_t`` (+ ``bytes(B_t) / mem_bandwidth_t`` when the
-cluster gives memory bandwidth; + the intra-host gradient all-reduce of a virtual device's
+cluster gives memory bandwidth, each operand's and the result's bytes by its own layout: a
+replicated weight is read whole on every device, :func:`hapc.theory.triples.traffic`; + the
+intra-host gradient all-reduce of a virtual device's
 parameters, HAP §3). Collectives: alpha-beta per primitive, on the largest shard for padded
 variants (``max_t B_t``), summed over devices for grouped ones (HAP §2.5.1). Replicated weights'
 gradients are all-reduced in buckets after the backward (as DDP does): their time adds up, in one

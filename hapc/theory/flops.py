@@ -1,8 +1,10 @@
 """Arithmetic of the ops that dominate training: counted from shapes, as multiply-adds x 2.
 
-Contractions (linear, matmul, einsum, convolution, attention) are counted exactly; every other
-op is memory-bound and charged by the bytes it moves instead (``RefNode.mem_bytes``), which the
-cost model turns into time with the device's memory bandwidth.
+Contractions (linear, matmul, einsum, convolution, attention) are counted exactly; every op is
+also charged the bytes it moves (``RefNode.mem_bytes``: operands and result, by layout in
+:func:`hapc.theory.triples.traffic`), which the cost model turns into time with the device's
+memory bandwidth -- all there is to a memory-bound op, and a contraction's fixed cost of reading a
+replicated weight however few rows it holds.
 """
 
 from __future__ import annotations

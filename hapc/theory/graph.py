@@ -89,6 +89,7 @@ class RefNode:
     requires_grad: bool = False  # depends on a trainable parameter
     flops: float = 0.0  # forward arithmetic
     mem_bytes: float = 0.0  # forward memory traffic (operands + result)
+    mem_parts: tuple[float, ...] = ()  # mem_bytes by operand (in ``operands`` order), then the result
     source: str = ""  # "file.py:12: <code>" for error messages
     users: list[int] = field(default_factory=list)
     region: int | None = None  # the torch.utils.checkpoint call it ran in (recomputed in backward)

@@ -43,6 +43,7 @@ import torch
 
 from ..errors import HapcError
 from .graph import OP, RefGraph, TensorMeta
+from .trace import set_traffic
 
 #: ``precision=`` values: None / the model's dtype (no autocast), or an autocast dtype
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -111,8 +112,7 @@ def autocast_graph(graph: RefGraph, dtype: torch.dtype | None) -> RefGraph:
         m = replace(n, meta=TensorMeta(n.meta.shape, out))
         # a matmul-like op reads its operands at the half dtype (autocast's cast copies)
         cast = half if n.op in LOWER else None
-        read = sum(_nbytes(o.meta, cast if o.meta.dtype in _CASTABLE else None) for o in ops)
-        m.mem_bytes = float(read + m.meta.nbytes)
+        set_traffic(m, [_nbytes(o.meta, cast if o.meta.dtype in _CASTABLE else None) for o in ops])
         nodes.append(m)
     out = RefGraph(nodes, graph.module, graph.input_names)
     for k, v in vars(graph).items():

@@ -1746,14 +1746,29 @@ def _fill_grad_and_cost(nodes: list[RefNode]) -> None:
             continue
         ops = [nodes[i] for i in n.operands]
         n.requires_grad = n.meta.is_float and any(o.requires_grad for o in ops)
-        n.mem_bytes = float(sum(o.meta.nbytes for o in ops) + n.meta.nbytes)
+        set_traffic(n, [o.meta.nbytes for o in ops])
+
+
+#: ops that read only the rows they gather: a table operand costs the result's bytes, not its own
+GATHERS = frozenset({"embedding", "index_select", "gather", "take_along_dim"})
+
+
+def set_traffic(node: RefNode, operand_bytes: Sequence[int]) -> None:
+    """Set ``node.mem_parts`` (bytes each operand is read with, then the result's) and their sum
+    ``node.mem_bytes``. A gather reads at most as many bytes of an operand as it writes."""
+    out = node.meta.nbytes
+    reads = [min(b, out) if node.op in GATHERS else b for b in operand_bytes]
+    node.mem_parts = (*map(float, reads), float(out))
+    node.mem_bytes = float(sum(node.mem_parts))
 
 
 def backward_work(node: RefNode, nodes: Sequence[RefNode]) -> tuple[float, float]:
     """``(flops, bytes)`` of a node's backward: each differentiable operand of a contraction
-    costs one more product of the forward's size (capped at two: dX and dW); memory-bound ops
-    move about as many bytes backward as forward."""
+    costs one more product of the forward's size (capped at two: dX and dW), which moves the
+    forward's bytes again (``dX = dY W^T`` reads W and dY and writes dX, ``dW = X^T dY`` reads X
+    and dY and writes dW); memory-bound ops move about as many bytes backward as forward."""
     if not node.requires_grad:
         return 0.0, 0.0
     grads = sum(1 for i in dict.fromkeys(node.operands) if nodes[i].requires_grad)
-    return node.flops * min(grads, 2), node.mem_bytes
+    products = min(grads, 2) if node.flops else 1
+    return node.flops * min(grads, 2), node.mem_bytes * products

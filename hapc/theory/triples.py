@@ -47,7 +47,7 @@ from .props import DONE, PARTIAL, REPLICATED, Layout, Prop, shard
 from .registry import OpView, Registry, default_registry
 from .saved import saved_bytes
 from .strategy import OUT, RNG, Strategy
-from .trace import backward_work
+from .trace import GATHERS, backward_work
 
 #: Ops whose result aliases its input (no new activation memory).
 VIEW_OPS = frozenset(
@@ -57,6 +57,22 @@ VIEW_OPS = frozenset(
         "detach", "alias", "view_as", "reshape_as", "ravel", "contiguous",
     }
 )  # fmt: skip
+
+
+def traffic(n: RefNode, s: Strategy, times: float = 1.0) -> Linear:
+    """Memory traffic of ``n`` under strategy ``s`` (``times`` the forward's): each operand's bytes
+    and the result's (``RefNode.mem_parts``) by its layout -- a sharded tensor's divided by the
+    ratios, a replicated or partial one whole on every device. Data parallelism's ``linear``
+    reads the whole weight on every device, however few rows it holds; a gather reads of a
+    replicated table the rows it gathers, so that read follows the result's layout."""
+    parts = n.mem_parts
+    layouts = (*s.inputs, s.output)
+    if len(parts) != len(layouts):  # a node built without them: the forward's split by the strategy
+        return Linear.split(n.mem_bytes * times, s.is_scaled)
+    if n.op in GATHERS and s.output.is_sharded:
+        layouts = tuple(s.output if lay.is_replicated else lay for lay in s.inputs) + (s.output,)
+    const = sum(b for b, lay in zip(parts, layouts) if not lay.is_sharded)
+    return Linear(const * times, (sum(parts) - const) * times)
 
 
 @dataclass(frozen=True, eq=False)
@@ -339,8 +355,8 @@ class _Builder:
         cost = CostProfile(
             fwd_flops=fwd_f,
             bwd_flops=bwd_f,
-            fwd_bytes=Linear.split(n.mem_bytes, scaled),
-            bwd_bytes=Linear.split(bwd_bytes, scaled),
+            fwd_bytes=traffic(n, s),
+            bwd_bytes=traffic(n, s, bwd_bytes / n.mem_bytes if n.mem_bytes else 0.0),
             fwd_comm=s.fwd_comm,
             bwd_comm=s.bwd_comm if n.requires_grad else (),
             act_bytes=act,
