@@ -1232,6 +1232,8 @@ def _call_leaf(mod: nn.Module, args: tuple, kwargs: dict) -> Any:
 # 3. specialisation into a RefGraph
 
 _SPLITTERS = {"split", "chunk", "tensor_split", "unbind", "split_with_sizes"}
+#: tensor attributes that are a permutation of its dims (``T``: all reversed; ``mT``: the last two)
+_TRANSPOSED = {"T", "mT", "H", "mH"}
 _MEAN_LOSSES = {"cross_entropy", "nll_loss", "mse_loss"}
 
 
@@ -1346,6 +1348,11 @@ class _Builder:
             i = self.arg(n.args[1])
             return self.element(n.args[0], i if i >= 0 else i + len(self.values[n.args[0]]))
         args, kwargs = self.arg(n.args), self.arg(n.kwargs)
+        if target is getattr and len(args) == 2 and args[1] in _TRANSPOSED and not value.is_complex():
+            # x.T / x.mT (x.H / x.mH on real tensors): the permutation they are, so that it shards
+            rank = value.dim()
+            dims = tuple(range(rank))[::-1] if args[1] in ("T", "H") else (*range(rank - 2), rank - 1, rank - 2)
+            target, is_method, args = "permute", True, (args[0], dims)
         if is_method and target == "add_" and _counter_of_batch_norm(n.args[0], self.model):
             # a batch norm written out (timm's BatchNormAct2d): num_batches_tracked += 1, which the
             # runtime counts itself for every _BatchNorm (as for torch's own, and under torch.export)
