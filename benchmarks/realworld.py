@@ -1,7 +1,9 @@
 """Real models at their published sizes, built on the meta device, synthesized on ``hap-testbed:8``
 (issue 12, acceptance 2): Hugging Face transformers GPT-2 124M, BERT-base (classification and masked
-LM), a ~1B Llama, T5-small, ViT-B/16, a small Mixtral; torchvision ResNet-50 and ViT-B/16; timm
-ViT-B/16. Each is called as its documentation shows (``model(input_ids=..., labels=...)``).
+LM), a ~1B Llama, T5-small, ViT-B/16, a small Mixtral, Wav2Vec2-base and HuBERT-base with CTC heads on
+padded audio; torchvision ResNet-50, ViT-B/16 and MobileNetV3; timm ViT-B/16. Each is called as its
+documentation shows (``model(input_ids=..., labels=...)``, ``model(input_values=..., attention_mask=...,
+labels=...)``).
 
     python benchmarks/realworld.py [--quick] [--json out.json]
 
@@ -30,7 +32,7 @@ LIMIT_S = {False: 180, True: 90}
 #: the best program found is kept and reported unproven, with its optimality gap
 SEARCH_LIMIT_S = {False: 60.0, True: None}
 
-#: name -> (description of the published config, batch, sequence length or image size)
+#: name -> (description of the published config, batch, sequence length, image size or audio samples)
 FULL: dict[str, tuple[str, int, int]] = {
     "gpt2": ("GPT-2 124M (HF, SDPA)", 8, 1024),
     "bert-cls": ("BERT-base, sequence classification (HF)", 32, 512),
@@ -43,10 +45,14 @@ FULL: dict[str, tuple[str, int, int]] = {
     "tv-vit": ("torchvision ViT-B/16", 64, 224),
     "tv-mobilenet": ("torchvision MobileNetV3-Large", 64, 224),
     "timm-vit": ("timm vit_base_patch16_224", 64, 224),
+    "wav2vec2": ("Wav2Vec2-base, CTC, padded audio (HF)", 8, 16000),
+    "hubert": ("HuBERT-base, CTC, padded audio (HF)", 8, 16000),
 }
 #: the libraries each model needs
 NEEDS = {
     **{k: "transformers" for k in ("gpt2", "bert-cls", "bert-mlm", "llama", "t5", "vit-hf", "mixtral")},
+    "wav2vec2": "transformers",
+    "hubert": "transformers",
     "tv-resnet": "torchvision",
     "tv-vit": "torchvision",
     "tv-mobilenet": "torchvision",
@@ -69,6 +75,16 @@ def _build_full(name: str) -> tuple[Any, Any]:
     def images(classes: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.empty(batch, 3, n, n, device="meta")
         return x, torch.zeros(batch, dtype=torch.long, device="meta")
+
+    def speech() -> dict[str, torch.Tensor]:
+        """8 clips of 0.6-1 s zero padded to ``n`` samples with their ``attention_mask``, transcripts of
+        9-20 characters padded with -100 (the test zoo's :func:`padded_speech`), moved to meta: the
+        program is planned from shapes, and the capture records the same ops for any mask and labels
+        (the mask's writes, the CTC's padded targets, the labels' range check)."""
+        lengths = [n, 14400, 12000, n, 9600, 15200, 11200, 13600][:batch]
+        with torch.device("cpu"):  # made real (the lengths are values), then moved
+            real = zoo.padded_speech(lengths, [18, 15, 12, 20, 9, 16, 11, 14][:batch], n, 20, 32)
+        return {k: v.to("meta") for k, v in real.items()}
 
     with torch.device("meta"):
         if name in NEEDS and NEEDS[name] == "transformers":
@@ -103,6 +119,17 @@ def _build_full(name: str) -> tuple[Any, Any]:
                                       num_local_experts=8, num_experts_per_tok=2,
                                       experts_implementation="batched_mm")  # fmt: skip
                 return t.MixtralForCausalLM(cfg), dict(input_ids=ids(batch, n), labels=ids(batch, n))
+            if name in ("wav2vec2", "hubert"):
+                # facebook/wav2vec2-base and facebook/hubert-base-ls960 are the configs' defaults (12 layers,
+                # 768 hidden, 7 convolutions: 49 frames per second of 16 kHz audio); a character vocabulary
+                # of 32 (blank = pad = 0) as their CTC fine-tunes; SpecAugment off (its masks are NumPy
+                # draws, which hapc refuses) and every dropout and LayerDrop 0, as the other entries
+                config, head = {"wav2vec2": (t.Wav2Vec2Config, t.Wav2Vec2ForCTC),
+                                "hubert": (t.HubertConfig, t.HubertForCTC)}[name]  # fmt: skip
+                cfg = config(vocab_size=32, mask_time_prob=0.0, hidden_dropout=0.0, activation_dropout=0.0,
+                             attention_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0,
+                             ctc_loss_reduction="mean")  # fmt: skip
+                return head(cfg), speech()
         if name in ("tv-resnet", "tv-vit", "tv-mobilenet"):
             tv = zoo.import_torchvision()
             build = {"tv-resnet": tv.models.resnet50, "tv-vit": tv.models.vit_b_16,

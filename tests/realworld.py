@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -392,13 +392,35 @@ def whisper(batch: int = 4) -> tuple[nn.Module, dict]:
     return t.WhisperForConditionalGeneration(cfg), dict(input_features=features, labels=_tokens(batch, 8, 100, 1))
 
 
+def padded_speech(
+    lengths: Sequence[int],
+    label_lengths: Sequence[int],
+    samples: int,
+    label_width: int,
+    vocab: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """A padded batch of raw audio as transformers' speech collators make it: clip ``i`` has
+    ``lengths[i]`` samples (normal noise, seeded ``seed``), zero padded to ``samples``, and an
+    ``attention_mask`` of 1 on them; its transcript has ``label_lengths[i]`` tokens drawn from
+    ``1 .. vocab - 1`` (0 is the CTC blank, the pad token; seeded ``seed + 1``), padded to
+    ``label_width`` with -100."""
+    n = len(lengths)
+    mask = (torch.arange(samples)[None, :] < torch.tensor(lengths)[:, None]).long()
+    x = torch.randn(n, samples, dtype=dtype, generator=torch.Generator().manual_seed(seed)) * mask
+    tokens = torch.randint(1, vocab, (n, label_width), generator=torch.Generator().manual_seed(seed + 1))
+    labels = torch.where(torch.arange(label_width)[None, :] < torch.tensor(label_lengths)[:, None], tokens, -100)
+    return dict(input_values=x, attention_mask=mask, labels=labels)
+
+
 def _ctc(cls: str, config: str, batch: int, padded_audio: bool, **extra: Any) -> tuple[nn.Module, dict]:
     """A speech encoder with a CTC head (vocabulary 20, blank = pad 0) on 400 raw samples
     (39 frames after the two convolutions) and transcripts of 5, 3, 4 and 2 tokens padded with
     -100, as transformers' data collators pad them: the loss reads ``labels.masked_select(labels >= 0)``
     (captured as padded targets: ``hapc.theory.static_forms``) after checking
     ``labels.max() >= vocab_size``. ``padded_audio``: rows of 400, 320, 360 and 280 samples
-    (``attention_mask``), so the frames each sample's CTC reads differ too."""
+    (``attention_mask``, :func:`padded_speech`), so the frames each sample's CTC reads differ too."""
     t = _hf()
     cfg = getattr(t, config)(vocab_size=20, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                              intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
@@ -406,16 +428,14 @@ def _ctc(cls: str, config: str, batch: int, padded_audio: bool, **extra: Any) ->
                              attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
                              final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, pad_token_id=0,
                              **extra)  # fmt: skip
-    x = torch.randn(batch, 400, generator=torch.Generator().manual_seed(0))
     rows = torch.tensor([5, 3, 4, 2])[torch.arange(batch) % 4]
+    if padded_audio:
+        n = [(400, 320, 360, 280)[i % 4] for i in range(batch)]
+        return getattr(t, cls)(cfg), padded_speech(n, [(5, 3, 4, 2)[i % 4] for i in range(batch)], 400, 5, 20)
+    x = torch.randn(batch, 400, generator=torch.Generator().manual_seed(0))
     labels = _tokens(batch, 5, 19, 1) + 1
     labels = torch.where(torch.arange(5)[None, :] < rows[:, None], labels, torch.full_like(labels, -100))
-    batch_ = dict(input_values=x, labels=labels)
-    if padded_audio:
-        n = torch.tensor([400, 320, 360, 280])[torch.arange(batch) % 4]
-        batch_["attention_mask"] = (torch.arange(400)[None, :] < n[:, None]).long()
-        batch_["input_values"] = x * batch_["attention_mask"]
-    return getattr(t, cls)(cfg), batch_
+    return getattr(t, cls)(cfg), dict(input_values=x, labels=labels)
 
 
 def wav2vec2_ctc(batch: int = 4) -> tuple[nn.Module, dict]:
@@ -427,6 +447,18 @@ def hubert_ctc(batch: int = 4) -> tuple[nn.Module, dict]:
     """HuBERT for CTC with ``ctc_loss_reduction="mean"`` (each sample's loss over its transcript's
     length, averaged over the batch: a sum over the whole batch divided by 4)."""
     return _ctc("HubertForCTC", "HubertConfig", batch, padded_audio=False, ctc_loss_reduction="mean")
+
+
+def wav2vec2_padded(batch: int = 4) -> tuple[nn.Module, dict]:
+    """Wav2Vec2 for CTC on padded audio (``attention_mask``, ``ctc_loss_reduction="mean"``): the
+    tiny form of ``benchmarks/realworld.py``'s wav2vec2 entry."""
+    return _ctc("Wav2Vec2ForCTC", "Wav2Vec2Config", batch, padded_audio=True, ctc_loss_reduction="mean")
+
+
+def hubert_padded(batch: int = 4) -> tuple[nn.Module, dict]:
+    """HuBERT for CTC on padded audio (``attention_mask``, ``ctc_loss_reduction="mean"``): the
+    tiny form of ``benchmarks/realworld.py``'s hubert entry."""
+    return _ctc("HubertForCTC", "HubertConfig", batch, padded_audio=True, ctc_loss_reduction="mean")
 
 
 #: name -> (factory, the library it needs)
@@ -465,6 +497,8 @@ MODELS: dict[str, tuple[Callable[..., tuple[nn.Module, Any]], str]] = {
     "whisper": (whisper, "transformers"),
     "wav2vec2-ctc": (wav2vec2_ctc, "transformers"),
     "hubert-ctc": (hubert_ctc, "transformers"),
+    "wav2vec2": (wav2vec2_padded, "transformers"),
+    "hubert": (hubert_padded, "transformers"),
 }
 
 

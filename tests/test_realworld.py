@@ -100,7 +100,7 @@ F32_LOSS |= {"bloom", "gpt-neox", "qwen2-moe"}
 #: DeBERTa's layer norm computes in float32 (its loss is float64; its gradients carry float32 rounding)
 F32_LOSS |= {"deberta"}
 #: the CTC heads take log_softmax(logits, dtype=float32): their loss is float32 in both runs
-F32_LOSS |= {"wav2vec2-ctc", "hubert-ctc"}
+F32_LOSS |= {"wav2vec2-ctc", "hubert-ctc", "wav2vec2", "hubert"}
 
 
 def _check(name: str, world: int, cluster: str, **opts: Any) -> None:
@@ -149,6 +149,9 @@ SLOW_ONLY |= {"clip", "deberta", "deberta-v2", "whisper"}
 #: Wav2Vec2 and HuBERT with CTC heads: masked_select targets captured padded, the labels check
 #: kept as a node (tests/test_ctc.py has the fast cases)
 SLOW_ONLY |= {"wav2vec2-ctc", "hubert-ctc"}
+#: the same on padded audio (attention_mask: the capture's item writes), the tiny forms of
+#: benchmarks/realworld.py's speech entries (tests/test_ctc_padded.py has the fast case)
+SLOW_ONLY |= {"wav2vec2", "hubert"}
 
 # (model, processes, cluster, options): every model on 2 and 3 processes under the default plan
 # (local-cpu:3 is two fast devices and one half as fast: the LP's ratios are uneven) and on 3 under

@@ -27,7 +27,8 @@ Three forms, each recognised precisely; anything else stays refused by the captu
      (inf and nan included), and element-wise, so any dim shards;
    * ``(torch.arange(N), j)`` into a 2-D ``x`` of ``N`` rows and a number: row ``i`` gets ``v`` at
      column ``j_i`` (``j_i + T`` when negative, as indexing wraps), ``x.scatter(1, j', v)``, which
-     shards by the rows;
+     shards by the rows. The first index is known to be ``0 .. N-1`` by its values, or on the meta
+     device (no values) by how the forward made it: ``torch.arange(N)`` and not written since;
    * any other tuple of index tensors: ``torch.index_put(x, index, value)``, the op ``x[index] = value``
      runs (its rule keeps the indexed dims whole).
 
@@ -312,22 +313,37 @@ def _number_fits(value: Any, dtype: torch.dtype) -> bool:
     return type(value) is float and (dtype.is_floating_point or dtype.is_complex)
 
 
-def _is_arange(t: Any, n: int) -> bool:
-    """A real integer tensor equal to ``torch.arange(n)`` (a constant of the capture)."""
-    return (
+def _is_arange(t: Any, n: int, aranges: WeakIdKeyDictionary | None = None) -> bool:
+    """A real integer tensor equal to ``torch.arange(n)`` (a constant of the capture): compared by
+    value, or, on meta (no values to compare), one of ``aranges`` (the forward made it by
+    ``torch.arange(n)``) whose version counter has not moved since (nothing wrote into it)."""
+    if not (
         isinstance(t, torch.Tensor)
         and not isinstance(t, fx.Proxy)
         and t.dtype in (torch.int64, torch.int32)
         and tuple(t.shape) == (n,)
-        and t.device.type != "meta"
-        and bool(torch.equal(t.cpu(), torch.arange(n, dtype=t.dtype)))
-    )
+    ):
+        return False
+    if t.device.type == "meta":
+        return aranges is not None and aranges.get(t, _MISSING) == t._version
+    return bool(torch.equal(t.cpu(), torch.arange(n, dtype=t.dtype)))
 
 
-def item_write(tracer: Any, x: Any, index: Any, value: Any, where: str) -> fx.Proxy:
+def _counts_from_zero(args: tuple, kwargs: dict) -> bool:
+    """Whether ``torch.arange(*args, **kwargs)`` counts 0, 1, 2, ...: ``arange(end)``,
+    ``arange(0, end)`` or ``arange(0, end, 1)``, with Python ints."""
+    start = kwargs.get("start", args[0] if len(args) >= 2 else 0)
+    step = kwargs.get("step", args[2] if len(args) >= 3 else 1)
+    return type(start) is int and type(step) is int and start == 0 and step == 1
+
+
+def item_write(
+    tracer: Any, x: Any, index: Any, value: Any, where: str, aranges: WeakIdKeyDictionary | None = None
+) -> fx.Proxy:
     """The proxy of the tensor ``x[index] = value`` leaves in ``x`` (form 3 of the module
     docstring): ``x`` a proxy or a real tensor (a constant of the graph), ``index`` and ``value``
-    proxies, real tensors or Python values. A :class:`TraceError` naming ``where`` for an index the
+    proxies, real tensors or Python values; ``aranges``: the meta tensors the forward made by
+    ``torch.arange`` (:class:`ItemWrites`). A :class:`TraceError` naming ``where`` for an index the
     forms do not cover."""
     xv = _value(x)
     if not isinstance(xv, torch.Tensor):
@@ -351,7 +367,7 @@ def item_write(tracer: Any, x: Any, index: Any, value: Any, where: str) -> fx.Pr
     if (
         len(idx) == 2
         and xv.dim() == 2
-        and _is_arange(idx[0], xv.shape[0])
+        and _is_arange(idx[0], xv.shape[0], aranges)
         and vals[1].dtype == torch.int64
         and tuple(vals[1].shape) == (xv.shape[0],)
         and _number_fits(value, xv.dtype)
@@ -430,6 +446,9 @@ class ItemWrites(TorchFunctionMode):
         self.shared: WeakIdKeyDictionary = WeakIdKeyDictionary()  # made tensors another tensor shares
         self.owner: dict[int, Any] = {}  # storage -> weakref to the first made tensor on it
         self.writes: list[Write] = []
+        # meta tensors made by torch.arange(n) -> their version then (on meta, _is_arange cannot
+        # compare values: a row write through (torch.arange(N), j) is recognised by how it was made)
+        self.aranges: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def substitute(self, tree: Any) -> Any:
         """``tree`` with every written real tensor replaced by the proxy of its current value."""
@@ -457,9 +476,11 @@ class ItemWrites(TorchFunctionMode):
                 return None
             if _is_traced((index, value)):
                 self._check_real(x)
-                self.current[x] = item_write(self.tracer, x, index, value, self.where())
+                self.current[x] = item_write(self.tracer, x, index, value, self.where(), self.aranges)
                 return None
         out = func(*args, **kwargs)
+        if func is torch.arange and _concrete(out) and out.device.type == "meta" and _counts_from_zero(args, kwargs):
+            self.aranges[out] = out._version
         self._note(func, out, (args, kwargs))
         return out
 
@@ -528,7 +549,7 @@ class ItemWrites(TorchFunctionMode):
         """``x[index] = value`` on a proxy: the proxy now stands for the written tensor; the write
         is kept for :meth:`check` (which refuses later reads of the old value through an alias)."""
         where = self.where()
-        new = item_write(self.tracer, x, self.substitute(index), self.substitute(value), where)
+        new = item_write(self.tracer, x, self.substitute(index), self.substitute(value), where, self.aranges)
         self.writes.append(Write(x.node, new.node, where))
         x.node = new.node
         return x
