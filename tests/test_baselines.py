@@ -66,6 +66,20 @@ class BatchConstant(nn.Module):
         return ((self.a(x) + pos.unsqueeze(-1) - y) ** 2).mean()
 
 
+class InputCheck(nn.Module):
+    """A check on a whole model input (the pattern of the CTC heads' ``labels.max() >= vocab_size``):
+    ``max`` over the batch has no layout for its operand split by batch, and inputs do not move."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if y.max() > 100:
+            raise ValueError("targets out of range")
+        return ((self.a(x) - y) ** 2).mean()
+
+
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     return torch.randn(4, 6, 8, dtype=torch.float64, generator=gen), torch.randn(
@@ -107,10 +121,21 @@ def test_no_data_parallel_layout_is_priced_with_moves_and_named(model: type, nod
     assert plan.time > 0 and plan.ratios == pytest.approx([0.5, 0.5])
 
 
-def _job(rank: int, world: int) -> dict[str, Any]:
+def test_input_read_by_a_whole_batch_op_is_also_sourced_whole() -> None:
+    """The check's input is also read whole on every rank (inputs have no collectives), named in
+    the warning; the rest stays data parallel (nothing but gradients moves)."""
+    plan, notes = _dp_ev(InputCheck())
+    assert len(notes) == 1, notes
+    assert "node max" in notes[0] and "model input y is also read whole" in notes[0] and "upper bound" in notes[0]
+    sources = {(plan.node_names[i.ref], repr(i.layout)) for i in plan.instructions if type(i).__name__ == "Source"}
+    assert {("y", "R"), ("y", "S(0)"), ("x", "S(0)")} <= sources, sources
+    assert not _moved(plan) and plan.ratios == pytest.approx([0.5, 0.5])
+
+
+def _job(rank: int, world: int, cls: type = SeqFirst) -> dict[str, Any]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = SeqFirst().double()
+    model = cls().double()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         module = hapc.compile(model, f"local-cpu:{world}", _batch(), baseline="dp-ev")
@@ -119,14 +144,16 @@ def _job(rank: int, world: int) -> dict[str, Any]:
     return {"loss": float(loss.detach()), "grads": module.full_gradients(), "moved": _moved(module.plan)}
 
 
-def test_relaxed_dp_ev_program_trains_like_one_device() -> None:
-    """The program priced with moves is a real program: run on 2 gloo processes it equals one device."""
+@pytest.mark.parametrize("cls", [SeqFirst, InputCheck])
+def test_relaxed_dp_ev_program_trains_like_one_device(cls: type) -> None:
+    """The program priced with moves (or with an input also read whole) is a real program: run on 2
+    gloo processes it equals one device."""
     torch.manual_seed(0)
-    ref = SeqFirst().double()
+    ref = cls().double()
     loss = ref(*_batch())
     loss.backward()
-    for r in run_distributed(_job, 2, timeout=180):
-        assert r["moved"]
+    for r in run_distributed(_job, 2, cls, timeout=180):
+        assert bool(r["moved"]) == (cls is SeqFirst)
         assert r["loss"] == pytest.approx(float(loss.detach()), rel=1e-12)
         for name, p in ref.named_parameters():
             torch.testing.assert_close(r["grads"][name], p.grad, rtol=1e-10, atol=1e-12)

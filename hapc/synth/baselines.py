@@ -48,7 +48,11 @@ def restrict(theory: Theory, baseline: str, m: int) -> set[int]:
     ``MultiheadAttention``: ``permute(2, 0, 1, 3).view(tgt_len * bsz, embed)``, the batch the
     inner factor), an op without a sharding rule reading batch data -- no program is left, and
     the baseline is priced with activations moved (all-to-all / all-gather) where needed, with a
-    warning naming the node: real DDP runs those ops locally, so the price is an upper bound.
+    warning naming the node: real DDP runs those ops locally, so the price is an upper bound. Model
+    inputs have no collectives: one such op reading an input directly (the CTC heads' check
+    ``labels.max() >= vocab_size``) has the input also sourced whole on every rank, named in the
+    warning (a source costs nothing in either layout; the op computes on the whole input, not the
+    shard, so the price stays an upper bound).
 
     ``fsdp`` keeps data parallelism's layouts, except that each parameter is sourced in one
     sharded layout (:func:`_fsdp_params`), may only be all-gathered (to replicated), and every
@@ -94,30 +98,51 @@ def restrict(theory: Theory, baseline: str, m: int) -> set[int]:
         if _reaches_loss(theory, out, m):
             return out
         stuck = _first_stuck(theory, out, m)
-        relaxed = _select(
-            theory,
-            wanted,
-            lambda ins: ins.ref not in gathered or (ins.op == "all_gather" and ins.dst.is_replicated),
-            whole_params=baseline == "fsdp",
-        )
-        if not _reaches_loss(theory, relaxed, m):
-            raise InfeasibleError(
-                f"{baseline} cannot be priced: with parameters "
-                f"{'gathered whole' if gathered else 'replicated'} and inputs split by batch, no program "
-                f"computes the loss (the first node left without one: {_where(g, stuck)}); "
-                "compare with another baseline (tp) or hapc's own plan"
+
+        def relax(wanted: dict[int, frozenset[Layout]]) -> set[int]:
+            return _select(
+                theory,
+                wanted,
+                lambda ins: ins.ref not in gathered or (ins.op == "all_gather" and ins.dst.is_replicated),
+                whole_params=baseline == "fsdp",
             )
+
+        relaxed = relax(wanted)
+        # a model input read by an op with no layout for it split by batch (the CTC heads' check
+        # labels.max() >= vocab_size): inputs have no collectives, so each rank also reads it whole
+        # (a source costs nothing either way; the op then runs on the whole input, not the shard)
+        whole: list[int] = []
+        while not _reaches_loss(theory, relaxed, m):
+            at = _first_stuck(theory, relaxed, m)
+            read = [] if at is None else [o for o in g[at].operands if g[o].kind == INPUT and o not in whole]
+            if not read:
+                raise InfeasibleError(
+                    f"{baseline} cannot be priced: with parameters "
+                    f"{'gathered whole' if gathered else 'replicated'} and inputs split by batch, no program "
+                    f"computes the loss (the first node left without one: {_where(g, stuck)}); "
+                    "compare with another baseline (tp) or hapc's own plan"
+                )
+            for o in read:
+                wanted[o] = wanted.get(o, _REPLICATED_ONLY) | _REPLICATED_ONLY
+                whole.append(o)
+            relaxed = relax(wanted)
         why = (
             "it has no sharding rule"
             if stuck is not None and g[stuck].op in theory.unsupported
             else "its rule has no layout for its operands split by batch (e.g. a reshape that folds the batch "
             "into another dimension)"
         )
+        also = (
+            f"; model input {', '.join(g[o].name for o in whole)} is also read whole on every rank, where data "
+            "parallelism reads its shard"
+            if whole
+            else ""
+        )
         warnings.warn(
             f"{baseline}: no purely data-parallel program exists in hapc's layouts: {_where(g, stuck)} cannot "
             f"compute on the local batch shard: {why}. The baseline is priced with activations moved "
-            "(all-to-all / all-gather) there; real data parallelism runs it locally, so this price is an upper "
-            "bound",
+            f"(all-to-all / all-gather) there{also}; real data parallelism runs it locally, so this price is an "
+            "upper bound",
             stacklevel=2,
         )
         return relaxed
