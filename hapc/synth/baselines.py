@@ -52,7 +52,7 @@ def restrict(theory: Theory, baseline: str, m: int) -> set[int]:
     inputs have no collectives: one such op reading an input directly (the CTC heads' check
     ``labels.max() >= vocab_size``) has the input also sourced whole on every rank, named in the
     warning (a source costs nothing in either layout; the op computes on the whole input, not the
-    shard, so the price stays an upper bound).
+    shard, so the price stays an upper bound); activations are moved only where that is not enough.
 
     ``fsdp`` keeps data parallelism's layouts, except that each parameter is sourced in one
     sharded layout (:func:`_fsdp_params`), may only be all-gathered (to replicated), and every
@@ -94,10 +94,8 @@ def restrict(theory: Theory, baseline: str, m: int) -> set[int]:
                 return ins.op == "all_gather" and ins.dst.is_replicated
             return g[ins.ref].meta.rank == 0 or ins.op in ("all_reduce", "slice")
 
-        out = _select(theory, wanted, allow_comm, whole_params=baseline == "fsdp")
-        if _reaches_loss(theory, out, m):
-            return out
-        stuck = _first_stuck(theory, out, m)
+        def strict(wanted: dict[int, frozenset[Layout]]) -> set[int]:
+            return _select(theory, wanted, allow_comm, whole_params=baseline == "fsdp")
 
         def relax(wanted: dict[int, frozenset[Layout]]) -> set[int]:
             return _select(
@@ -107,45 +105,48 @@ def restrict(theory: Theory, baseline: str, m: int) -> set[int]:
                 whole_params=baseline == "fsdp",
             )
 
-        relaxed = relax(wanted)
+        out = strict(wanted)
+        if _reaches_loss(theory, out, m):
+            return out
+        stuck = _first_stuck(theory, out, m)
         # a model input read by an op with no layout for it split by batch (the CTC heads' check
         # labels.max() >= vocab_size): inputs have no collectives, so each rank also reads it whole
-        # (a source costs nothing either way; the op then runs on the whole input, not the shard)
+        # (a source costs nothing either way; the op then runs on the whole input, not the shard);
+        # only if that is not enough are activations moved
         whole: list[int] = []
-        while not _reaches_loss(theory, relaxed, m):
-            at = _first_stuck(theory, relaxed, m)
-            read = [] if at is None else [o for o in g[at].operands if g[o].kind == INPUT and o not in whole]
-            if not read:
-                raise InfeasibleError(
-                    f"{baseline} cannot be priced: with parameters "
-                    f"{'gathered whole' if gathered else 'replicated'} and inputs split by batch, no program "
-                    f"computes the loss (the first node left without one: {_where(g, stuck)}); "
-                    "compare with another baseline (tp) or hapc's own plan"
-                )
-            for o in read:
-                wanted[o] = wanted.get(o, _REPLICATED_ONLY) | _REPLICATED_ONLY
-                whole.append(o)
-            relaxed = relax(wanted)
+        out = _read_whole(theory, out, m, wanted, whole, strict)
+        moved = not _reaches_loss(theory, out, m)
+        if moved:
+            out = _read_whole(theory, relax(wanted), m, wanted, whole, relax)
+        if not _reaches_loss(theory, out, m):
+            raise InfeasibleError(
+                f"{baseline} cannot be priced: with parameters "
+                f"{'gathered whole' if gathered else 'replicated'} and inputs split by batch, no program "
+                f"computes the loss (the first node left without one: {_where(g, stuck)}); "
+                "compare with another baseline (tp) or hapc's own plan"
+            )
         why = (
             "it has no sharding rule"
             if stuck is not None and g[stuck].op in theory.unsupported
             else "its rule has no layout for its operands split by batch (e.g. a reshape that folds the batch "
             "into another dimension)"
         )
-        also = (
-            f"; model input {', '.join(g[o].name for o in whole)} is also read whole on every rank, where data "
-            "parallelism reads its shard"
-            if whole
-            else ""
-        )
+        how = [
+            *(["activations moved (all-to-all / all-gather) there"] if moved else []),
+            *(
+                [f"model input {', '.join(g[o].name for o in whole)} also read whole on every rank (data "
+                 "parallelism reads its shard)"]
+                if whole
+                else []
+            ),
+        ]  # fmt: skip
         warnings.warn(
             f"{baseline}: no purely data-parallel program exists in hapc's layouts: {_where(g, stuck)} cannot "
-            f"compute on the local batch shard: {why}. The baseline is priced with activations moved "
-            f"(all-to-all / all-gather) there{also}; real data parallelism runs it locally, so this price is an "
-            "upper bound",
+            f"compute on the local batch shard: {why}. The baseline is priced with {' and '.join(how)}; real data "
+            "parallelism runs it locally, so this price is an upper bound",
             stacklevel=2,
         )
-        return relaxed
+        return out
     if baseline == "tp":
         layouts = megatron_layouts(g)
         for ref, lay in layouts.items():
@@ -157,6 +158,30 @@ def restrict(theory: Theory, baseline: str, m: int) -> set[int]:
                 )
         return _select(theory, {r: frozenset({lay}) for r, lay in layouts.items()}, lambda ins: True)
     raise ValueError(f"unknown baseline {baseline!r}; one of {BASELINES}")
+
+
+def _read_whole(
+    theory: Theory,
+    allowed: set[int],
+    m: int,
+    wanted: dict[int, frozenset[Layout]],
+    whole: list[int],
+    select: Callable[[dict[int, frozenset[Layout]]], set[int]],
+) -> set[int]:
+    """While no ``allowed`` program reaches the loss: let each model input that the first node no
+    allowed triple computes reads also be sourced replicated (updating ``wanted``, appending to
+    ``whole``) and select again; the last selection."""
+    g = theory.graph
+    while not _reaches_loss(theory, allowed, m):
+        at = _first_stuck(theory, allowed, m)
+        read = [] if at is None else [o for o in g[at].operands if g[o].kind == INPUT and o not in whole]
+        if not read:
+            break
+        for o in read:
+            wanted[o] = wanted.get(o, _REPLICATED_ONLY) | _REPLICATED_ONLY
+            whole.append(o)
+        allowed = select(wanted)
+    return allowed
 
 
 def _select(
