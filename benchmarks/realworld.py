@@ -256,7 +256,8 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"Each model in its own process, limit {result['limit_s']} s; seconds per stage, predicted step time (ms) "
         "of hapc's plan and of DP-EV, DP-EV / hapc (>1: hapc is faster). Batch: samples per step; size: "
-        "sequence length or image side. Optimal: the program search proved its program optimal (yes), or "
+        "sequence length, image side or audio samples. Optimal: the program search proved its program optimal "
+        "(yes), or "
         f"its time limit ({result.get('search_limit_s')} s, `hapc.synthesize(time_limit=)`) stopped it and the "
         "program is at most the factor shown above the optimum at the ratios searched.",
         "",
