@@ -5,11 +5,11 @@ padded audio; torchvision ResNet-50, ViT-B/16 and MobileNetV3; timm ViT-B/16. Ea
 documentation shows (``model(input_ids=..., labels=...)``, ``model(input_values=..., attention_mask=...,
 labels=...)``).
 
-    python benchmarks/realworld.py [--quick] [--json out.json]
+    python benchmarks/realworld.py [--quick] [--json out.json] [--models NAME ...]
 
 Per model: trace, derive and synthesis time (seconds), peak RSS of the worker process, the predicted
 step time of hapc's plan and of the DP-EV baseline (even data parallelism) and their ratio. Each model
-runs in its own subprocess under a time limit (120 s; ``--quick``: the tiny test configs, 30 s); a
+runs in its own subprocess under a time limit (180 s; ``--quick``: the tiny test configs, 90 s); a
 model that times out or fails is reported with the stage it was in and a one-line reason, never
 dropped. Nothing is allocated: parameters and inputs are meta tensors (the speech entries' padded batch,
 1.5 MB, is made real for its lengths and then moved to meta).
@@ -285,7 +285,7 @@ def main() -> None:
     import _cli
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="the tiny test configs, 30 s each (the CI smoke run)")
+    ap.add_argument("--quick", action="store_true", help="the tiny test configs, 90 s each (the CI smoke run)")
     ap.add_argument("--json", help="write results here (default: realworld.json beside the script)")
     ap.add_argument("--models", nargs="*", choices=list(FULL), help="only these models")
     args = ap.parse_args()
