@@ -68,3 +68,26 @@ def test_a_gather_reads_only_the_rows_it_gathers(costs):
     assert bwd == fwd
     _, fwd, _ = costs["embedding", "vocab:R,S(0)->P"]  # the table sharded by rows of the vocabulary
     assert (fwd.const, fwd.per_ratio) == (ROWS * 8 + out, out)
+
+
+def test_the_optimizer_update_is_priced_by_the_parameters_a_device_holds():
+    """Each device's optimizer step reads every weight it holds and its gradient and writes the
+    weight (3 bytes moved per parameter byte, at its memory bandwidth): whole for a replicated
+    weight, by the device's share for a sharded one."""
+    from hapc.synth.cost import CostModel
+    from hapc.testing import cluster_of
+    from hapc.theory.cost import CostProfile, Linear
+
+    d = cluster_of([4e9, 1e9]).to_dict()
+    for g, bw in zip(d["group"], ("8 GB/s", "2 GB/s")):
+        g["mem_bandwidth"] = bw
+    cluster = type(cluster_of([1.0])).from_dict(d)
+    replicated, sharded = CostProfile(param_bytes=Linear(4e6, 0.0)), CostProfile(param_bytes=Linear(0.0, 4e6))
+    ratios = (0.75, 0.25)
+    for profile, held in ((replicated, (4e6, 4e6)), (sharded, (3e6, 1e6))):
+        with_update = CostModel(cluster).triple_time(profile, ratios).bwd_comp
+        without = CostModel(cluster, update_traffic=0.0).triple_time(profile, ratios).bwd_comp
+        got = tuple(a - b for a, b in zip(with_update, without))
+        assert got == pytest.approx((3 * held[0] / 8e9, 3 * held[1] / 2e9), rel=1e-12)
+        stages, _ = CostModel(cluster).linear_stages([profile])  # the LP's linear form agrees
+        assert max(s.time(ratios) for s in stages) == pytest.approx(max(with_update), rel=1e-12)
