@@ -33,9 +33,9 @@ bytes moved per parameter byte, at the device's memory bandwidth (SGD's, the lea
 moves; momentum and Adam's moments move more, not priced). A replicated weight is updated whole on
 every device, a sharded one by its shard (``param_bytes``): linear in the ratios, added to the
 backward stage that completes the parameter's gradient, as a virtual device's inner all-reduce is.
-On this machine's emulated ranks it made the even data-parallel step's prediction match DDP's
-(VGG-like: 110.6 -> 122.9 ms, measured 123.5) and fidelity's Kendall tau 0.841 / 0.853 / 0.846 ->
-0.876 / 0.884 / 0.882 on the same measurements.
+Without it, ``benchmarks/fidelity.py``'s weight-bound MLP variants were predicted 2.5-3x too fast
+(the GPT / BERT ones 1.5-2.4x); priced, Kendall's tau over the same three runs' measurements rose
+from 0.841 / 0.853 / 0.846 to 0.876 / 0.884 / 0.882.
 """
 
 from __future__ import annotations
