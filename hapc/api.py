@@ -494,7 +494,7 @@ def _compile_segmented(
             raise HapcError(data["error"])
         plan = SegmentedPlan.from_json(data)
     plan.check(cluster=cluster)
-    refuse_held_gradients(model, "segmented")
+    refuse_held_gradients(model, "segmented", group)
     module = SegmentedModule(model, example_inputs, plan, group=group, device=device, seed=seed)
     guard(model, module)  # the model raises while stale: module.unwrap() writes the trained weights back
     return module

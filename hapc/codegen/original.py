@@ -585,17 +585,27 @@ def plant_no_grads(model: nn.Module) -> None:
                 p.grad = no_grad_like(p, tuple(p.shape))
 
 
-def refuse_held_gradients(model: nn.Module, kind: str) -> None:
+def refuse_held_gradients(model: nn.Module, kind: str, group: Any = None) -> None:
     """A plan that cannot take over the gradients ``model`` holds at compile (a backward run before
     it; ``kind``: "pipeline" or "segmented") refuses them rather than leave them behind: the module's
     first step would lack what DDP's adds in (a loop that zeroes after its step), and
     ``clip_grad_norm_(model.parameters())`` would clip the left-behind ones, silently. Gradients
     that are all zero (``zero_grad(set_to_none=False)``) add nothing: they are cleared, and the
-    model gets placeholders as with none."""
+    model gets placeholders as with none. The ranks of ``group`` decide together (one all-reduce),
+    so that a rank holding none still refuses with the others instead of waiting for them."""
+    import torch.distributed as dist
+
     held = [(n, p) for n, p in model.named_parameters() if p.grad is not None and not isinstance(p.grad, NoGrad)]
     nonzero = [n for n, p in held if bool(p.grad.count_nonzero())]
-    if nonzero:
+    count = torch.tensor([len(nonzero)], dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        backend = dist.get_backend(group)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        count = count.to(device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    if int(count.item()):
         names = ", ".join(repr(n) for n in nonzero[:3]) + (f" and {len(nonzero) - 3} more" if len(nonzero) > 3 else "")
+        names = names or "on another rank"
         raise HapcError(
             f"the model holds gradients at compile ({names}: a backward ran before hapc.compile), and a {kind} "
             "plan's stages cannot take them over: its first step would lack them. Call model.zero_grad() before "
