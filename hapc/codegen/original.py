@@ -595,13 +595,13 @@ def refuse_held_gradients(model: nn.Module, kind: str, group: Any = None) -> Non
     so that a rank holding none still refuses with the others instead of waiting for them."""
     import torch.distributed as dist
 
+    from .module import _default_device
+
     held = [(n, p) for n, p in model.named_parameters() if p.grad is not None and not isinstance(p.grad, NoGrad)]
     nonzero = [n for n, p in held if bool(p.grad.count_nonzero())]
     count = torch.tensor([len(nonzero)], dtype=torch.int64)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        backend = dist.get_backend(group)
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        count = count.to(device)
+        count = count.to(_default_device(group))
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     if int(count.item()):
         names = ", ".join(repr(n) for n in nonzero[:3]) + (f" and {len(nonzero) - 3} more" if len(nonzero) > 3 else "")
