@@ -158,9 +158,11 @@ def compile(
             devices each, :mod:`hapc.pipeline.replicas`) -- for the same global batch and take the faster
             (:func:`hapc.planner.choose_plan`; the kinds priced are in ``module.plan.predicted["kinds"]``
             or ``module.plan_kinds``); options only the SPMD runtime takes (``group``, ``device``,
-            ``init``, ``leaf_modules``, ``capture``, ``loss``, ``outputs``, keyword inputs, a ``baseline``
-            or ``ratios``), and a model returning tensors besides its loss, leave the pipeline out. A
-            pipelined result is a :class:`~hapc.pipeline.PipelineModule`: train with
+            ``init``, ``leaf_modules``, ``capture``, ``loss``, ``outputs="local"``, a ``baseline`` or
+            ``ratios``; refused with ``pipeline=True``), and a model returning tensors besides its loss
+            unless ``outputs="loss"``, leave the pipeline out. A
+            pipelined result is a :class:`~hapc.pipeline.PipelineModule`, called like the model
+            (positional or keyword inputs): train with
             ``loss = module.train_step(*batch)`` (forward and backward of ``num_micro`` micro-batches by
             ``schedule``: ``"h1f1b"``, ``"1f1b"`` or ``"eager-1f1b"``), then step the optimizer;
             ``train_step`` exists on the SPMD module too, and DDP's ``loss = module(*batch);
@@ -194,6 +196,8 @@ def compile(
             ``"whole"`` (default: gathered to the full tensor on every rank), ``"local"`` (this rank's
             piece as the program computed it, no communication) or ``"loss"`` (``None``: no cost).
             They are for metrics: a backward through them raises (compute loss terms in forward).
+            A pipeline hands them back as ``None`` (only its last stage computes them, a micro-batch
+            at a time), so the planner considers one for such a model only under ``"loss"``.
         options: for synthesis when no plan is given -- ``segments``, ``rounds``, ``solver``,
             ``memory``, ``baseline``, ``ratios`` (see :func:`synthesize`) and the theory options
             ``sfb``, ``variants``, ``param_comm``, ``strict``, ``precision`` (see :func:`hapc.derive`;
@@ -231,8 +235,13 @@ def compile(
     if pipeline:
         if group is not None or plan is not None:
             raise HapcError("a pipelined compile runs on the whole job and plans itself: drop group= and plan=")
+        refused = _pipeline_blocked(
+            device=device, init=init, leaf_modules=tuple(leaf_modules), capture=capture, loss=loss, outputs=outputs
+        )
+        if refused is not None:  # not ignored: a loss= or capture= left out would train another program
+            raise HapcError(f"pipeline=True cannot honour it: {refused}; drop it, or compile with pipeline=False")
         return _compile_pipeline(
-            model, cluster, example_inputs, None, num_micro, schedule, timeout, options, recompute=recompute
+            model, cluster, example_inputs, None, num_micro, schedule, timeout, options, recompute=recompute, seed=seed
         )
     blocked = _pipeline_blocked(
         plan=None if _is_segmented(plan) else plan, group=group, device=device, init=init,
@@ -270,8 +279,9 @@ def compile(
     if plan is None:
         kinds = ("spmd",) if pipeline is False else KINDS if segmented is None else ("spmd", "pipeline")
         kind, plan, priced = _agree_on_choice(
-            model, example_inputs, theory, cluster, group, options, theory_opts, kinds, num_micro, blocked, recompute
-        )
+            model, example_inputs, theory, cluster, group, options, theory_opts, kinds, num_micro, blocked, recompute,
+            outputs,
+        )  # fmt: skip
         if kind == "pipeline":
             return _compile_pipeline(
                 model, cluster, example_inputs, plan, num_micro, schedule, timeout, options, priced, seed=seed
@@ -400,8 +410,10 @@ def _group_with_timeout(group: Any, seconds: float) -> Any:
 def _pipeline_blocked(**given: Any) -> str | None:
     """Why this compile call cannot run a pipeline (None: it can): options that only the SPMD
     runtime honours leave the pipeline out of the planner's choice instead of being ignored."""
-    defaults = {"capture": "auto", "outputs": "whole"}  # the others' default is None or empty
-    used = [k for k, v in given.items() if (v != defaults[k] if k in defaults else v is not None and v != ())]
+    # the others' default is None or empty; a pipeline hands the model's other outputs back as None, which
+    # outputs="loss" asks for (and "whole" lets the planner weigh: hapc.planner.outputs_blocker)
+    fine = {"capture": ("auto",), "outputs": ("whole", "loss")}
+    used = [k for k, v in given.items() if (v not in fine[k] if k in fine else v is not None and v != ())]
     if not used:
         return None
     return f"{', '.join(k + '=' for k in used)} given: only the SPMD runtime takes {'them' if len(used) > 1 else 'it'}"
@@ -568,6 +580,7 @@ def _agree_on_choice(
     num_micro: int | None,
     blocked: str | None,
     recompute: str = "auto",
+    outputs: str = "whole",
 ) -> tuple[str, Any, list[dict[str, Any]]]:
     """Rank 0 prices the plan kinds (:func:`hapc.planner.choose_plan`) and everyone receives the
     chosen kind, its plan and the kinds priced as JSON bytes (never pickle). A planning error on rank
@@ -588,6 +601,7 @@ def _agree_on_choice(
             ch = choose_plan(
                 model, cluster, example_inputs, kinds=kinds, num_micro=num_micro, theory=theory,
                 synth_options=synth_opts, theory_options=theory_opts, pipeline_blocked=blocked, recompute=recompute,
+                outputs=outputs,
             )  # fmt: skip
         except HapcError as exc:
             return {"error": str(exc), "type": type(exc).__name__}

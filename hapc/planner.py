@@ -343,8 +343,6 @@ def pipeline_blocker(
         return "pipelines place stages on devices: the cluster describes virtual hosts (virtual = 'host')"
     if cluster.num_devices < 2:
         return "one device: nothing to pipeline over"
-    if isinstance(example_inputs, dict):
-        return "the pipeline runtime takes positional inputs (the example inputs are keyword arguments)"
     batch = _batch_size(example_inputs)
     if batch is None:
         return "no input has a batch dimension to split into micro-batches"
@@ -369,9 +367,11 @@ def segmented_blocker(cluster: Cluster, example_inputs: Any) -> str | None:
 
 def outputs_blocker(graph: Any, what: str = "a pipeline") -> str | None:
     """Why the plan-kind choice leaves the pipeline out for a model returning more than its loss
-    (None: it returns the loss alone): a pipeline's ``train_step`` and forward return the batch loss
-    alone, the SPMD module hands the other tensors (logits for a metric) back, so picking a
-    pipeline by cost would change what the user's call returns. An explicit pipeline still runs."""
+    (None: it returns the loss alone): a pipeline hands back the batch loss alone (the other
+    tensors ``None`` in the model's structure), the SPMD module hands the other tensors (logits
+    for a metric) back, so picking a pipeline by cost would change what the user's call returns --
+    unless the caller said it needs the loss alone (``hapc.compile(..., outputs="loss")``, which
+    :func:`choose_plan` is told as ``outputs``). An explicit pipeline still runs."""
     extra = len(graph.outputs) - 1
     if extra < 1:
         return None
@@ -382,8 +382,8 @@ def outputs_blocker(graph: Any, what: str = "a pipeline") -> str | None:
         )
     return (
         f"the model returns {extra} tensor(s) besides its loss, which only the SPMD module hands back (a "
-        "pipeline returns the loss alone); pipeline=True (hapc synth --kind pipeline) trains it pipelined "
-        "without them"
+        "pipeline returns them as None); outputs='loss' (the loss alone is needed) lets the planner choose a "
+        "pipeline, and pipeline=True (hapc synth --kind pipeline) trains it pipelined without them"
     )
 
 
@@ -397,8 +397,9 @@ def micro_mismatch(batch: int, num_micro: int) -> str:
 
 
 def _batch_size(example_inputs: Any) -> int | None:
-    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
-    return next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim()), None)
+    from .pipeline.runtime import batch_rows
+
+    return batch_rows(example_inputs)
 
 
 #: the micro-batch count the search starts from (the largest divisor of the batch up to it): HARP's
@@ -482,6 +483,7 @@ def choose_plan(
     replicas: Sequence[int] | None = None,
     recompute: str = "auto",
     prune: bool = True,
+    outputs: str = "whole",
 ) -> PlanChoice:
     """Price every plan kind in ``kinds`` for ``model`` on ``cluster`` and pick the fastest.
 
@@ -504,7 +506,10 @@ def choose_plan(
     candidate whose Eq. 12 lower bound -- first one without a synthesis, then one over its
     synthesized stage costs -- is no better than a pipeline already priced skips its syntheses or
     its DP and is listed ``"pruned"`` (:func:`_price_pipelines`); the choice, every time priced and
-    the counts searched are those of ``prune=False``. A ``time_limit`` in
+    the counts searched are those of ``prune=False``. ``outputs``: what the caller needs of a
+    model's other returned tensors (``hapc.compile``'s ``outputs=``): ``"loss"`` (none) lets a
+    pipeline be chosen for a model returning more than its loss (they come back ``None``); else
+    such a model is left to the kinds that hand them back (:func:`outputs_blocker`). A ``time_limit`` in
     ``synth_options`` bounds the SPMD search and, with a budget of its own, every search of the
     pipeline's pricing (:func:`~hapc.synth.synthesizer.searches_until`): planning takes about twice
     it at most, plus tracing, deriving and the pipelines' non-search work.
@@ -583,7 +588,7 @@ def choose_plan(
             or (f"SPMD-only option(s) given: {', '.join(spmd_only)}" if spmd_only else None)
             or pipeline_blocker(model, cluster, example_inputs, num_micro)
             # a choice between the kinds (the SPMD theory is there: it was priced first)
-            or (outputs_blocker(theory.graph) if "spmd" in kinds and theory is not None else None)
+            or (outputs_blocker(theory.graph) if "spmd" in kinds and theory is not None and outputs != "loss" else None)
         )
         if blocker is not None:
             out.append(KindEstimate(kind, "not applicable", reason=blocker))
@@ -680,7 +685,10 @@ def _price_pipelines(
 
     kind = "pipeline"
     tag = f" [{num_micro} micro]" if labelled else ""
-    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    if isinstance(example_inputs, dict):  # keyword inputs: each micro-batch a dict (the module binds them alike)
+        inputs: Any = example_inputs
+    else:
+        inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     micro = micro_batches(inputs, num_micro, batch)[0]
     try:
         th = derive(trace(model, micro), **theory_options)  # as the pipeline runtime traces its stages

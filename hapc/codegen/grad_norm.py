@@ -93,6 +93,7 @@ class ShardedGrad(_Plain):
     _hapc_norms: GradNorms
     _hapc_slot: int
     _hapc_sharded: bool
+    _hapc_elsewhere = False  # a pipeline stage's copy of a tied weight another stage counts (mark_stage)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
@@ -187,6 +188,8 @@ def _global_norms(tensors: Sequence[torch.Tensor], p: float, dtype: torch.dtype 
                 out[i] = torch.zeros((), dtype=dtype or tensors[i].dtype, device=tensors[i].device)
         if red.pipeline:
             for i in mine:
+                if tensors[i]._hapc_elsewhere:  # counted by another stage's copy: the identity here
+                    out[i] = torch.full_like(out[i], _IDENTITY[kind])
                 out[i] = _as_stage_norm(out[i], red)
     return out
 
@@ -341,9 +344,14 @@ def install_pipeline(stage_module: Any, job: Any, stage_leader: bool) -> GradNor
     return red
 
 
-def mark_stage(stage_module: Any) -> None:
-    """After a pipeline step: every gradient of the stage is marked (the sharded ones already are)."""
+def mark_stage(stage_module: Any, counted_elsewhere: Sequence[torch.Tensor] = ()) -> None:
+    """After a pipeline step: every gradient of the stage is marked (the sharded ones already are).
+    ``counted_elsewhere``: parameters whose gradient another stage's copy counts in norms too (a
+    tied weight several stages use): here it adds nothing -- one device counts it once."""
     red = stage_module._grad_norms
+    skip = {id(p) for p in counted_elsewhere}
     for p in stage_module.parameters():
         if p.grad is not None and type(p.grad) is not ShardedGrad:
             red.mark(p.grad, -1, sharded=False)
+        if p.grad is not None and type(p.grad) is ShardedGrad:
+            p.grad._hapc_elsewhere = id(p) in skip

@@ -32,7 +32,7 @@ from ..cluster import Cluster
 from ..errors import HapcError
 from .planner import PipelinePlan, plan_pipeline
 from .replicas import replica_cluster, replica_devices
-from .runtime import PipelineModule, PipelineSpec, micro_batches
+from .runtime import PipelineModule, PipelineSpec, batch_rows, micro_batches
 from .schedule import POLICIES, eager_1f1b_warmup, one_f_one_b_warmup
 from .stagecost import sub_cluster
 
@@ -110,7 +110,7 @@ def compile_pipeline(
             f"cluster {cluster.name!r} has {cluster.num_devices} devices but the job has "
             f"{dist.get_world_size()} processes; start one process per device"
         )
-    inputs = tuple(example_inputs)
+    inputs = dict(example_inputs) if isinstance(example_inputs, dict) else tuple(example_inputs)
     if plan is None:
         plan = _agree(model, cluster, inputs, num_micro, recompute, options.get("precision"))
     if timeout is not None and not timeout > 0:
@@ -122,7 +122,7 @@ def compile_pipeline(
 def _agree(
     model: torch.nn.Module,
     cluster: Cluster,
-    inputs: tuple,
+    inputs: tuple | dict,
     num_micro: int | None,
     recompute: str = "auto",
     precision: str | None = None,
@@ -139,7 +139,9 @@ def _agree(
                 theory_options={"precision": precision} if precision is not None else None,
             )  # fmt: skip
             return choice.plan.to_json()
-        batch = next(x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim())
+        batch = batch_rows(inputs)
+        if batch is None:
+            raise HapcError("no input has a batch dimension to split into micro-batches: a pipeline needs one")
         micro = micro_batches(inputs, num_micro, batch)[0]
         theory = None
         if precision is not None:

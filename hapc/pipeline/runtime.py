@@ -39,6 +39,18 @@ The loss of micro-batch ``m`` is seeded with its weight in the batch loss
 ``count_m / sum(count)`` for a mean over a data-dependent count (cross-entropy with ignored
 targets, computed from the inputs), ``1`` for a sum.
 
+**Tied weights** (a parameter several stages use: GPT-2's token embedding, read again by its
+output layer): each of those stages holds a copy, and its backward gives the gradient of its own
+uses. After a step's last backward the copies' gradients are summed over the sharing stages' ranks
+(:meth:`PipelineModule._sum_tied`; the stage's whole gradient gathered from its shards, added by
+its first rank), so each copy holds the single-device gradient and an elementwise optimizer step
+keeps the copies equal; gradient norms count the weight in its first stage only.
+
+Calls bind as the model's ``forward`` binds them, positionally or by keyword (a Hugging Face
+model's ``module(**batch)``), and the forward returns the model's structure (a ``ModelOutput``)
+with the batch loss in its place and ``None`` for the other tensors, which only the last stage
+computes.
+
 **Data-parallel replicas** (:mod:`hapc.pipeline.replicas`, ``PipelineSpec.replicas``): ``R``
 copies of the pipeline on disjoint ranks; replica ``r`` runs micro-batches ``r M/R .. (r+1) M/R - 1``
 of the global batch's ``M``, each seeded with its weight in the *global* batch loss, so after the
@@ -70,6 +82,7 @@ from torch import nn
 
 from .._util import broadcast_json
 from ..cluster import Cluster
+from ..codegen.constants import check_constant_inputs, constant_inputs
 from ..codegen.grad_norm import install_pipeline as install_pipeline_norms
 from ..codegen.grad_norm import mark_stage as mark_stage_grads
 from ..errors import HapcError
@@ -140,8 +153,21 @@ class PipelineSpec:
                     raise HapcError(f"stage {k} runs on {len(rs)} ranks but its cluster has {c.num_devices} devices")
 
 
-def micro_batches(inputs: Sequence[Any], num_micro: int, batch: int) -> list[tuple[Any, ...]]:
-    """Split every input whose first dim is the batch into ``num_micro`` equal parts."""
+def batch_rows(inputs: Any) -> int | None:
+    """The batch size of example inputs (a tensor, a sequence of positional inputs or a dict of
+    keyword inputs): the first dim of the first input that has one (None: no input has)."""
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    values = inputs.values() if isinstance(inputs, dict) else inputs
+    return next((x.shape[0] for x in values if isinstance(x, torch.Tensor) and x.dim()), None)
+
+
+def micro_batches(inputs: Any, num_micro: int, batch: int) -> list[Any]:
+    """Split every input whose first dim is the batch into ``num_micro`` equal parts. ``inputs``:
+    positional inputs (a sequence; each part a tuple) or keyword inputs (a dict; each part a dict
+    with the same keys); other values (flags, ``None``) are in every part as they are."""
+    if isinstance(inputs, dict):
+        return [dict(zip(inputs, part)) for part in micro_batches(tuple(inputs.values()), num_micro, batch)]
     if batch % num_micro:
         raise HapcError(
             f"the batch of {batch} does not split into {num_micro} equal micro-batches; choose a "
@@ -182,7 +208,7 @@ class PipelineModule(nn.Module):
         """``timeout``: seconds after which a send, receive or collective of the pipeline gives up
         and raises (default: the job's own process-group timeout)."""
         super().__init__()
-        from ..codegen.module import CompiledModule
+        from ..codegen.module import CompiledModule, _call_checker, _positional_names, _signature
         from ..theory import derive, trace
 
         if not dist.is_initialized():
@@ -202,11 +228,23 @@ class PipelineModule(nn.Module):
         self.replica = next(q for q, rep in enumerate(replicas) if any(rank in rs for rs in rep))
         mine = replicas[self.replica]  # this replica's ranks per stage
         self.replica_micro = spec.num_micro // self.num_replicas  # micro-batches this replica runs
-        inputs = tuple(example_inputs)
-        self.batch = next(x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim())
-        micro = micro_batches(inputs, spec.num_micro, self.batch)[0]
+        example = dict(example_inputs) if isinstance(example_inputs, dict) else tuple(example_inputs)
+        batch = batch_rows(example)
+        if batch is None:
+            raise HapcError("no input has a batch dimension to split into micro-batches: a pipeline needs one")
+        self.batch = batch
+        micro = micro_batches(example, spec.num_micro, self.batch)[0]
         graph = trace(model, micro)
         self.input_names = list(graph.input_names)
+        # calls bind as the model's forward binds them (positionally or by keyword, as the SPMD module
+        # does); a constant the capture specialised on (a flag, an input left at None) is checked
+        sig = _signature(model)
+        self._positional = _positional_names(sig, self.input_names)
+        self._call_checker = _call_checker(sig, type(model).__name__, self.input_names)
+        self._constants = constant_inputs(model, micro, graph)
+        # what the model returns: the loss goes back in its place, the other tensors as None
+        self._output_spec, self._loss_leaf, self._num_outputs = graph.output_spec, graph.loss_leaf, len(graph.outputs)
+        self._loss_dtype = graph.loss.meta.dtype
         stages = split_graph(graph, spec.cuts)
         # how the micro-batches' losses make the batch loss; checked on every rank before any work
         self._weighting = loss_weighting(stages[-1].graph)
@@ -238,8 +276,11 @@ class PipelineModule(nn.Module):
         plan = spec.plans[self.stage]
         keys = set(model.state_dict())
         owned = [{n.target for n in s.graph if n.kind in (PARAM, BUFFER) and n.target in keys} for s in stages]
+        for names in owned:  # a stage holding a tied weight holds it under each of its names
+            names |= {a for a, c in graph.aliases.items() if c in names}
         # other stages' tensors are neither materialised nor kept here: a stage holds only its own
         elsewhere = set().union(*owned) - owned[self.stage]
+        self._tie(stages, owned, replicas, limit)
         # eager loss all-reduces: the schedule's sends and receives interleave with them
         self.module = CompiledModule(
             model,
@@ -280,24 +321,54 @@ class PipelineModule(nn.Module):
         self._pending: _Step | None = None  # a forward() awaiting its loss's backward
         # emulated links, as (stage, stage + 1) pairs; all of them unless ``emulate["between"]`` says
         self._slow_links = {tuple(p) for p in (emulate or {}).get("between", zip(range(S), range(1, S)))}
-        # state_dict names (and shapes) of the parameters and buffers each stage holds
+        # state_dict names (and shapes) of the parameters and buffers each stage holds, tied ones by every name
         self.stage_tensors = [
             {n.target: n.meta for n in s.graph if n.kind in (PARAM, BUFFER) and n.target in keys} for s in stages
         ]
+        for names in self.stage_tensors:
+            names.update({a: names[c] for a, c in graph.aliases.items() if c in names and a in keys})
+
+    def _tie(self, stages: list[StageGraph], owned: list[set[str]], replicas: list[Any], limit: Any) -> None:
+        """Tied weights that several stages use (GPT-2's token embedding, read again by its output
+        layer): each of those stages trains a copy and its backward gives the gradient of its own
+        uses only, where one device sums them. Per set of stages sharing weights, a process group of
+        their ranks in each replica (every rank creates every group, in one order), summed over by
+        :meth:`_sum_tied` after each step; the first of the stages counts the weight in gradient norms."""
+        params = sorted({n.target for s in stages for n in s.graph if n.kind == PARAM})
+        users = {key: tuple(k for k, names in enumerate(owned) if key in names) for key in params}
+        shared: dict[tuple[int, ...], list[str]] = {}
+        for key, ks in users.items():
+            if len(ks) > 1:
+                shared.setdefault(ks, []).append(key)
+        self._tied: list[tuple[list[str], Any]] = []  # (weights this stage shares, the group summing them)
+        for ks, names in sorted(shared.items()):
+            for q, rep in enumerate(replicas):
+                pg = dist.new_group(sorted(r for k in ks for r in rep[k]), timeout=limit)
+                if q == self.replica and self.stage in ks:
+                    self._tied.append((names, pg))
+        self._counted_elsewhere = {key for ks, names in shared.items() for key in names if self.stage in ks[1:]}
 
     # -- the step -------------------------------------------------------------------------------------
-    def forward(self, *inputs: Any) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         """``loss = module(*batch)`` then ``loss.backward()``, as with DDP: the forwards of every
         micro-batch now, their backwards when the loss's backward runs (GPipe's order: exact like
         :meth:`train_step`, but every micro-batch's activations are held until the backward, where
         the planned schedule holds only its in-flight ones -- :meth:`train_step` is the faster
         step and the one the plan's memory check is for).
 
-        Returns the batch loss on every rank; its backward seeds the last stage with the gradient
-        it is given (``(2 * loss).backward()`` doubles every gradient), which must be the same on
-        every rank. Under ``torch.no_grad()`` only the forwards run (evaluation). A forward whose
-        loss is never backpropagated is dropped at the next forward or step; one loss per backward:
-        summing two forwards' losses before one backward is refused."""
+        Inputs bind as the model's ``forward`` binds them: positionally, or by keyword
+        (``module(**batch)`` for a Hugging Face model compiled from a dict of example inputs).
+
+        Returns the batch loss on every rank, in the structure the model returns (a
+        ``ModelOutput``, dict or tuple: the loss in its place, the other tensors -- logits --
+        ``None``: only the last stage computes them, for its micro-batches; ``hapc.compile``
+        chooses a pipeline by cost only under ``outputs="loss"``). Its backward seeds the last
+        stage with the gradient it is given (``(2 * loss).backward()`` doubles every gradient),
+        which must be the same on every rank. Under ``torch.no_grad()`` only the forwards run
+        (evaluation). A forward whose loss is never backpropagated is dropped at the next forward
+        or step; one loss per backward: summing two forwards' losses before one backward is
+        refused."""
+        inputs = self._bind(args, kwargs)
         step, hi = self._begin(inputs)
         rng = self.module.rng
         for kind, m in self._calls:
@@ -308,13 +379,16 @@ class PipelineModule(nn.Module):
         loss = self._batch_loss(step.losses, step.weights, inputs)
         if not torch.is_grad_enabled():  # (the same on every rank: one that would skip the backward would hang it)
             self._drop(step)
-            return loss
+            return self._structured(loss)
         self._pending = step
         anchor = torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
-        return _PipelineLoss.apply(anchor, loss, self, step)
+        return self._structured(_PipelineLoss.apply(anchor, loss, self, step))
 
-    def train_step(self, *inputs: Any) -> torch.Tensor:
-        """Forward and backward of every micro-batch by the planned schedule; the batch loss."""
+    def train_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Forward and backward of every micro-batch by the planned schedule; the batch loss (the
+        tensor alone, as the SPMD module's ``train_step`` returns it). Inputs bind as for
+        :meth:`forward`."""
+        inputs = self._bind(args, kwargs)
         step, hi = self._begin(inputs)
         rng = self.module.rng
         for kind, m in self._calls:
@@ -324,11 +398,34 @@ class PipelineModule(nn.Module):
         self._finish(step)
         return self._batch_loss(step.losses, step.weights, inputs)
 
+    def _bind(self, args: tuple, kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """A call's arguments as the traced inputs, in :attr:`input_names` order: bound by the
+        model's signature (what its ``forward`` refuses -- an unknown keyword, a positional too
+        many -- is refused alike), its constants checked against the capture's
+        (:mod:`hapc.codegen.constants`: another value that changes the program is refused)."""
+        self._call_checker(args, kwargs)
+        if len(args) > len(self._positional):
+            raise TypeError(f"the pipeline takes the model inputs {self.input_names}, got {len(args)} positional")
+        bound = dict(zip(self._positional, args))
+        bound.update(kwargs)
+        check_constant_inputs(self._constants, bound)
+        missing = [n for n in self.input_names if n not in bound]
+        if missing:
+            raise TypeError(f"missing model input(s) {missing}: the pipeline takes {self.input_names}")
+        return tuple(bound[n] for n in self.input_names)
+
+    def _structured(self, loss: torch.Tensor) -> Any:
+        """What the model returns, the loss in its place and ``None`` for every other tensor."""
+        spec = self._output_spec
+        if spec is None or isinstance(spec, int):
+            return loss
+        from ..theory.capture import rebuild_output
+
+        return rebuild_output(spec, [loss if k == self._loss_leaf else None for k in range(self._num_outputs)])
+
     def _begin(self, inputs: Sequence[Any]) -> tuple[_Step, int]:
-        """A step over this replica's micro-batches of ``inputs``, and the end of their range (a
-        forward left without its backward is dropped first)."""
-        if len(inputs) != len(self.input_names):
-            raise TypeError(f"the pipeline takes the model inputs {self.input_names}, got {len(inputs)} values")
+        """A step over this replica's micro-batches of ``inputs`` (bound by :meth:`_bind`), and the
+        end of their range (a forward left without its backward is dropped first)."""
         if self._pending is not None:
             self._drop(self._pending)
         batches = [dict(zip(self.input_names, b)) for b in micro_batches(inputs, self.num_micro, self.batch)]
@@ -344,10 +441,13 @@ class PipelineModule(nn.Module):
     def _finish(self, step: _Step) -> None:
         """After a step's last backward: its sends waited on, replicas summed, gradients marked."""
         step.release(list(step.sends))  # the sends whose receipt no later message proved
+        if self._tied:
+            self._sum_tied()
         if self.num_replicas > 1:
             self._sum_replicas()
         self.compute_seconds = step.compute
-        mark_stage_grads(self.module)
+        targets = self.module._targets()
+        mark_stage_grads(self.module, [self.module._tensor(targets[k]) for k in self._counted_elsewhere])
 
     def _drop(self, step: _Step) -> None:
         """Forget a step that ran its forwards only. Every message of a forward is received within
@@ -386,6 +486,30 @@ class PipelineModule(nn.Module):
                 if kind not in _FORWARD:
                     getattr(step, kind)(m)
         self._finish(step)
+
+    def _sum_tied(self) -> None:
+        """Each tied weight's gradient summed over the stages that use it (see :meth:`_tie`): the
+        stage's whole gradient gathered from its shards, the stage's first rank adding it (the
+        others zeros) in an all-reduce over the sharing stages' ranks, every rank keeping its slice.
+        Every copy then holds the single-device gradient, so an elementwise optimizer step (SGD,
+        Adam...) keeps the copies equal."""
+        mod = self.module
+        targets = mod._targets()
+        first = dist.get_rank() == self.relay[self.stage]
+        for names, pg in self._tied:
+            for key in names:
+                attr = targets[key]
+                ref, lay = mod._layouts[attr]
+                p = mod._tensor(attr)
+                whole = mod._gather(p.grad if p.grad is not None else torch.zeros_like(p), ref, lay)
+                if not first:
+                    whole.zero_()
+                dist.all_reduce(whole, group=pg)
+                local = mod._slice(whole, ref, lay)
+                if p.grad is None:
+                    p.grad = local.clone()
+                else:
+                    p.grad.copy_(local)
 
     def _sum_replicas(self) -> None:
         """Sum this rank's gradients with the same stage position's in every other replica (one flat
@@ -446,7 +570,7 @@ class PipelineModule(nn.Module):
                     "call -- draw per-step randomness such as masking targets with -100 from a generator seeded "
                     "alike on every rank"
                 )
-        return value[0].clone()
+        return value[0].to(self._loss_dtype)  # (summed in float64) the dtype the model's loss has
 
     # -- messages -------------------------------------------------------------------------------------
     def _isend(self, x: torch.Tensor, dst: int, tag: int, emulated: bool) -> tuple[Any, torch.Tensor]:

@@ -227,6 +227,7 @@ def _stage_graph(
     elif nodes[-1].name != g.loss.name:
         raise AssertionError("the last stage must end in the loss")
     graph = RefGraph(nodes, g.module, input_names)
+    graph.aliases = dict(g.aliases)  # tied weights' other names (a stage holding the weight answers to them all)
     return StageGraph(k, graph, receives, sends, [g[i].meta for i in receives], [g[i].meta for i in sends])
 
 

@@ -1,0 +1,231 @@
+"""Pipelines of the models users bring: keyword inputs, tied weights, ``ModelOutput`` results.
+
+A Hugging Face language model is called with keyword inputs (``model(**batch)``), returns a
+``ModelOutput`` (loss and logits) and ties its output layer to its token embedding, so the two
+ends of a pipeline each hold a copy of one weight. The pipeline binds calls as the model's
+``forward`` does, hands back the model's structure (the loss in its place, the logits ``None``),
+sums a tied weight's gradient over the stages that use it (one device accumulates both uses into
+one ``.grad``), and counts it once in gradient norms. The planner considers a pipeline for such a
+model when the caller needs the loss alone (``outputs="loss"``).
+
+Every distributed case trains in float64 on gloo processes and compares losses, gradient norms
+and the final state with one device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hapc
+from hapc.cluster import Cluster
+from hapc.pipeline.runtime import PipelineModule, PipelineSpec, micro_batches
+from hapc.pipeline.stages import balanced_cuts
+from hapc.planner import choose_plan
+from hapc.testing import cluster_of, run_distributed
+from hapc.theory import trace
+
+realworld = pytest.importorskip("realworld")
+pytest.importorskip("transformers")
+
+
+def _two_groups(between: str = "100 MB/s") -> Cluster:
+    """Two one-device groups (20 and 10 TFLOP/s) across a slow link: the planner pipelines."""
+    link = {"bandwidth": "10 GB/s", "latency": "20 us"}
+    return Cluster.from_dict(
+        {
+            "name": "two-groups",
+            "group": [
+                {"name": g, "devices": 1, "devices_per_host": 1, "flops": f, "memory": "8 GiB"}
+                for g, f in (("fast", "20 TFLOPS"), ("slow", "10 TFLOPS"))
+            ],
+            "links": {
+                "intra_host": link,
+                "inter_host": link,
+                "between": [{"groups": ["fast", "slow"], "bandwidth": between, "latency": "100 us"}],
+            },
+        }
+    )
+
+
+def _gpt2() -> tuple[nn.Module, dict]:
+    torch.manual_seed(0)
+    model, batch = realworld.gpt2(batch=8)
+    return model.double(), batch
+
+
+def test_the_planner_pipelines_a_keyword_model_that_needs_the_loss_alone():
+    """Keyword inputs no longer rule the pipeline out; the logits a pipeline cannot hand back do,
+    unless the caller asks for the loss alone -- the refusal names that option."""
+    model, batch = _gpt2()
+    whole = choose_plan(model, _two_groups(), batch, num_micro=4)
+    assert whole.kind == "spmd"
+    piped = whole.kinds[1]
+    assert piped.status == "not applicable" and "outputs='loss'" in piped.reason, piped.reason
+    loss = choose_plan(model, _two_groups(), batch, num_micro=4, outputs="loss")
+    assert loss.kind == "pipeline" and loss.time < whole.time
+
+
+def _gpt2_job(rank, world):
+    torch.set_num_threads(1)
+    model, batch = _gpt2()
+    module = hapc.compile(model, _two_groups(), batch, outputs="loss", num_micro=4)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    out = module(**batch)  # DDP's habit: the model's own call, by keyword
+    out.loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(module.parameters(), 1e9)  # (no clipping: the norm alone)
+    grads = module.full_gradients()
+    optimizer.step()
+    optimizer.zero_grad()
+    second = module.train_step(batch["input_ids"], labels=batch["labels"])  # positional and keyword, bound alike
+    optimizer.step()
+    with pytest.raises(TypeError, match="missing model input"):
+        module(labels=batch["labels"])
+    return {
+        "kind": type(module).__name__,
+        "out": type(out).__name__,
+        "logits": out.logits,
+        "losses": [float(out.loss), float(second)],
+        "dtype": str(second.dtype),
+        "norm": float(norm),
+        "grads": grads,
+        "state": module.full_state_dict(),
+    }
+
+
+def test_a_hugging_face_language_model_pipelines_exactly():
+    """GPT-2 (tiny; its output layer tied to the token embedding, in the first and the last stage),
+    called by keyword, pipelined on two ranks: the loss, the gradient norm (the tied weight counted
+    once), every gradient and the state after two steps equal one device's (float64)."""
+    results = run_distributed(_gpt2_job, 2, timeout=300)
+    model, batch = _gpt2()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    want = []
+    for step in range(2):
+        optimizer.zero_grad()
+        out = model(**batch)
+        out.loss.backward()
+        want.append(float(out.loss))
+        if step == 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        optimizer.step()
+    state = model.state_dict()
+    for got in results:
+        assert got["kind"] == "PipelineModule" and got["out"] == type(out).__name__ and got["logits"] is None
+        # the model computes its loss in float32 (transformers upcasts the logits); micro-batches' sum
+        assert got["losses"] == pytest.approx(want, rel=1e-6) and got["dtype"] == str(out.loss.dtype)
+        assert got["norm"] == pytest.approx(norm, rel=1e-10)
+        for k, g in grads.items():
+            torch.testing.assert_close(got["grads"][k], g, rtol=1e-9, atol=1e-12, msg=k)
+        assert set(got["state"]) == set(state)  # the tied weight under both its names
+        for k, v in state.items():
+            torch.testing.assert_close(got["state"][k], v, rtol=1e-9, atol=1e-12, msg=k)
+
+
+class _Tied(nn.Module):
+    """A language model whose output layer is its embedding (``head.weight = emb.weight``)."""
+
+    def __init__(self, vocab: int = 96, dim: int = 24):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(4))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())
+
+
+def _tied() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    idx = torch.randint(0, 96, (8, 6), generator=torch.Generator().manual_seed(1))
+    return _Tied().double(), (idx, idx.roll(-1, dims=1))
+
+
+#: (stage weights, ranks per stage, flops per rank, warm-ups, micro-batches, replicas, the last
+#: stage's memory per device)
+TIED = {
+    # the tied weight's stages are not neighbours: the middle one holds it under neither name
+    "three stages": ([1, 1, 2], [[0], [1], [2]], [1e10, 1e10, 1e10], [3, 2, 1], 4, None, "4 GiB"),
+    # the last stage on two ranks at uneven speeds, too little memory for a whole copy: it is sharded
+    "sharded last stage": ([1, 1], [[0], [1, 2]], [1e10, 8e9, 3e9], [2, 1], 4, None, "60 KiB"),
+    "two replicas": ([1, 1], [[0], [1]], [1e10] * 4, [2, 1], 4, [[[0], [1]], [[2], [3]]], "4 GiB"),
+}
+
+
+def _tied_job(rank, world, weights, ranks, flops, warmups, num_micro, replicas, memory):
+    torch.set_num_threads(1)
+    model, inputs = _tied()
+    graph = trace(model, micro_batches(inputs, num_micro, 8)[0])
+    spec = PipelineSpec(
+        cuts=balanced_cuts(graph, weights),
+        ranks=ranks,
+        clusters=[cluster_of([flops[r] for r in rs], memory=memory if k else "4 GiB") for k, rs in enumerate(ranks)],
+        warmups=warmups,
+        num_micro=num_micro,
+        replicas=replicas or [],
+    )
+    pm = PipelineModule(model, inputs, spec)
+    optimizer = torch.optim.Adam(pm.parameters(), lr=1e-2, eps=1e-6)
+    losses, norms = [], []
+    for _ in range(3):
+        optimizer.zero_grad()
+        losses.append(float(pm.train_step(*inputs)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(pm.parameters(), 0.5)))  # clips: the norm is > 0.5
+        optimizer.step()
+    mod = pm.module
+    sharded = sorted(mod.theory.graph[ref].target for ref, lay in mod._layouts.values() if lay.is_sharded)
+    return {"losses": losses, "norms": norms, "state": pm.full_state_dict(), "sharded": sharded, "stage": pm.stage}
+
+
+@pytest.mark.parametrize("case", list(TIED))
+def test_tied_weights_across_stages_train_as_one_device(case):
+    """One weight used by the first and the last stage: its copies' gradients are summed and both
+    copies step alike, the gradient norm counts it once (clipping active), Adam for three steps."""
+    ranks, replicas = TIED[case][1], TIED[case][5]
+    world = sum(len(rs) for rep in (replicas or [ranks]) for rs in rep)
+    results = run_distributed(_tied_job, world, *TIED[case], timeout=300)
+    model, inputs = _tied()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-6)
+    losses, norms = [], []
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss = model(*inputs)
+        loss.backward()
+        losses.append(float(loss))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+        optimizer.step()
+    assert min(norms) > 0.5
+    state = model.state_dict()
+    for got in results:
+        assert got["losses"] == pytest.approx(losses, rel=1e-10) and got["norms"] == pytest.approx(norms, rel=1e-10)
+        assert set(got["state"]) == set(state)
+        for k, v in state.items():
+            torch.testing.assert_close(got["state"][k], v, rtol=1e-9, atol=1e-12, msg=f"{case}: {k}")
+    if case == "sharded last stage":  # the path that gathers and slices a sharded copy's gradient ran
+        assert any("emb.weight" in got["sharded"] for got in results if got["stage"] == 1), results
+
+
+def _explicit_job(rank, world):
+    model, inputs = _tied()
+    out = {}
+    for given in ({"loss": 0}, {"outputs": "local"}, {"capture": "export"}):
+        with pytest.raises(hapc.HapcError) as err:
+            hapc.compile(model, _two_groups(), inputs, pipeline=True, **given)
+        out[next(iter(given))] = str(err.value)
+    return out
+
+
+def test_an_explicit_pipeline_refuses_the_options_it_would_ignore():
+    """``pipeline=True`` with ``loss=``, ``outputs="local"`` or ``capture=`` would train or return
+    something else than asked, silently: refused, naming the option."""
+    results = run_distributed(_explicit_job, 2, timeout=120)
+    for got in results:
+        for option, message in got.items():
+            assert f"{option}=" in message and "pipeline=True cannot honour" in message, message
