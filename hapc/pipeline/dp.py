@@ -220,10 +220,14 @@ class PipelineDP:
         return out
 
     def _build_index(self) -> None:
+        """The sparse candidate index: per first layer ``i``, every usable transition as a row
+        (``t``, ``c``, ``nmax``, next layer ``ni``, start ``p`` and next start ``np``, option ``o``,
+        link id, recompute flag), ordered by ``(p, o, recompute, j)``; and the same rows as one flat
+        array over every layer (:meth:`run`). Built for all layers at once: the rows of each option
+        and row kind (:meth:`_row_pairs`) are crossed with the option's starts per link, then sorted
+        by one integer key ``(i, p, o, rc, j)`` (unique per row)."""
         L, tb = self.L, self.table
-        cols: dict[str, list] = {k: [] for k in ("t", "c", "nmax", "ni", "np", "p", "o", "link", "rc")}
-        self.index: list[dict[str, np.ndarray]] = []
-        self.max_finite = 0
+        D = self.D
         links: list[str] = []
         place = []  # per option: [(link id, bandwidth, latency, global starts)], the end link last
         for o, opt in enumerate(tb.options):
@@ -235,65 +239,76 @@ class PipelineDP:
                     links.append(name)
             place.append((o, opt, [(links.index(n), bw, lat, np.array(st)) for n, (bw, lat, st) in by_link.items()]))
         end = links.index("end") if "end" in links else -1
-        for i in range(L):
-            for key in cols:
-                cols[key] = []
-            for o, opt, groups in place:
-                for js, t, nmax, rc in self._rows(i, o, self.groups[opt.group].memory):
-                    for lk, bw, lat, starts in groups:
-                        sel = js == L - 1 if lk == end else js < L - 1  # the last stage ends the model
-                        if not sel.any():
-                            continue
-                        jj = js[sel]
-                        c = np.zeros(len(jj)) if lk == end else lat + tb.out_bytes[jj] / bw
-                        k = len(starts)
-                        cols["t"].append(np.tile(t[sel], k))
-                        cols["c"].append(np.tile(c, k))
-                        cols["nmax"].append(np.tile(nmax[sel], k))
-                        cols["ni"].append(np.tile(jj + 1, k))
-                        cols["p"].append(np.repeat(starts, len(jj)))
-                        cols["np"].append(np.repeat(starts + opt.size, len(jj)))
-                        cols["o"].append(np.full(len(jj) * k, o))
-                        cols["link"].append(np.full(len(jj) * k, lk))
-                        cols["rc"].append(np.full(len(jj) * k, rc))
-            if cols["t"]:
-                arr = {k: np.concatenate(v) for k, v in cols.items()}
-                order = np.argsort(arr["p"], kind="stable")
-                arr = {k: v[order] for k, v in arr.items()}
-                fin = arr["nmax"][np.isfinite(arr["nmax"])]
-                if len(fin):
-                    self.max_finite = max(self.max_finite, int(fin.max()))
-            else:
-                arr = {k: np.zeros(0) for k in cols}
-            self.index.append(arr)
+        keys = ("i", "t", "c", "nmax", "ni", "np", "p", "o", "link", "rc")
+        cols: dict[str, list] = {k: [] for k in keys}
+        for o, opt, groups in place:
+            for ii, js, t, nmax, rc in self._row_pairs(o, self.groups[opt.group].memory):
+                for lk, bw, lat, starts in groups:
+                    sel = js == L - 1 if lk == end else js < L - 1  # the last stage ends the model
+                    if not sel.any():
+                        continue
+                    jj = js[sel]
+                    c = np.zeros(len(jj)) if lk == end else lat + tb.out_bytes[jj] / bw
+                    k = len(starts)
+                    cols["i"].append(np.tile(ii[sel], k))
+                    cols["t"].append(np.tile(t[sel], k))
+                    cols["c"].append(np.tile(c, k))
+                    cols["nmax"].append(np.tile(nmax[sel], k))
+                    cols["ni"].append(np.tile(jj + 1, k))
+                    cols["p"].append(np.repeat(starts, len(jj)))
+                    cols["np"].append(np.repeat(starts + opt.size, len(jj)))
+                    cols["o"].append(np.full(len(jj) * k, o))
+                    cols["link"].append(np.full(len(jj) * k, lk))
+                    cols["rc"].append(np.full(len(jj) * k, rc))
+        ints = ("i", "ni", "np", "p", "o", "link", "rc")
+        flat = {
+            k: np.concatenate(v) if v else np.zeros(0, dtype=np.int64 if k in ints else float) for k, v in cols.items()
+        }
+        n_opt = max(len(tb.options), 1)
+        key = (((flat["i"] * (D + 1) + flat["p"]) * n_opt + flat["o"]) * 2 + flat["rc"]) * L + flat["ni"] - 1
+        order = np.argsort(key, kind="stable")
+        flat = {k: v[order] for k, v in flat.items()}
+        fin = flat["nmax"][np.isfinite(flat["nmax"])]
+        self.max_finite = int(fin.max()) if len(fin) else 0
         self.link_names = links
         kinds = {
             "inner": [k for k, n in enumerate(links) if n in ("intra_host", "inter_host")],
             "between": [k for k, n in enumerate(links) if n == "between"],
         }
         self._link_costs = {
-            kind: np.unique(np.concatenate([a["c"][np.isin(a["link"], ks)] for a in self.index] + [np.zeros(1)]))
+            kind: np.unique(np.concatenate([flat["c"][np.isin(flat["link"], ks)], np.zeros(1)]))
             for kind, ks in kinds.items()
         }
         self.K = K = min(self.cap, self.max_finite + 1)  # finite bounds 0..K-1; index K is "any"
-        for arr in self.index:  # flat offsets of G[j+1, p', 0] and Nmax as a bound index
-            arr["base"] = (arr["ni"].astype(np.int64) * (self.D + 1) + arr["np"].astype(np.int64)) * (K + 2)
-            arr["nm"] = np.where(np.isfinite(arr["nmax"]), arr["nmax"], K).astype(np.int64)
-            # per run, a row is usable where max(t, c) <= t_max (the same test as t <= t_max and
-            # c <= t_max); t + 2c is what a transition adds, the same floats whatever t_max is
-            arr["tc_max"] = np.maximum(arr["t"], arr["c"])
-            arr["step"] = arr["t"] + 2 * arr["c"]
+        # flat offsets of G[j+1, p', 0] and Nmax as a bound index
+        flat["base"] = (flat["ni"] * (D + 1) + flat["np"]) * (K + 2)
+        flat["nm"] = np.where(np.isfinite(flat["nmax"]), flat["nmax"], K).astype(np.int64)
+        # per run, a row is usable where max(t, c) <= t_max (the same test as t <= t_max and
+        # c <= t_max); t + 2c is what a transition adds, the same floats whatever t_max is
+        flat["tc_max"] = np.maximum(flat["t"], flat["c"])
+        flat["step"] = flat["t"] + 2 * flat["c"]
+        flat["layer"] = flat.pop("i")
+        # the rows of every first layer in one flat array (layer by layer), so a run filters and
+        # indexes them with one call each, not one per layer (:meth:`run`); per layer, views of it
+        self._flat = flat
+        bounds = np.searchsorted(flat["layer"], np.arange(L + 1), side="left")
+        self.index: list[dict[str, np.ndarray]] = [
+            {k: v[bounds[i] : bounds[i + 1]] for k, v in flat.items()} for i in range(L)
+        ]
 
-    def _rows(self, i: int, o: int, mem: float) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
-        """The stages starting at layer ``i`` on option ``o`` that fit one micro-batch: ``(last
-        layers, times, Nmax, recompute)`` without recomputation and, where it is allowed and raises
-        ``Nmax`` (``"auto"``) or always (``"always"``), with it (memory grows with the last layer
-        ``j``: the plain rows that fit are a prefix of ``j``)."""
+    def _row_pairs(self, o: int, mem: float) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]]:
+        """The stages on option ``o`` that fit one micro-batch, for every first layer at once:
+        ``(first layers, last layers, times, Nmax, recompute)`` in order of ``(i, j)``, without
+        recomputation and, where it is allowed and raises ``Nmax`` (``"auto"``) or always
+        (``"always"``), with it. Per first layer ``i`` the plain rows run from ``j = i`` to the last
+        ``j`` at which one micro-batch fits (memory grows with ``j``, so they are the ``j`` that fit;
+        a ``j`` before it that does not, with rounding, has ``Nmax = 0``). Each entry is the
+        elementwise float expression of the one-layer-at-a-time form on the pairs ``j >= i``."""
         L = self.L
-        js = np.arange(i, L)
-        mp = self.Pp[o, js + 1] - self.Pp[o, i]
-        ma = self.Pa[o, js + 1] - self.Pa[o, i]
-        t = self.Pt[o, js + 1] - self.Pt[o, i]
+        ii, jj = np.triu_indices(L)  # every (i, j) with j >= i, in order of i then j
+        mp = self.Pp[o, jj + 1] - self.Pp[o, ii]
+        ma = self.Pa[o, jj + 1] - self.Pa[o, ii]
+        t = self.Pt[o, jj + 1] - self.Pt[o, ii]
         with np.errstate(divide="ignore", invalid="ignore"):
             plain = np.where(ma > 0, np.floor((mem - mp) / np.where(ma > 0, ma, 1)), INF)
         plain = np.where(plain >= self.cap, INF, plain)
@@ -301,13 +316,15 @@ class PipelineDP:
         plain = np.where(fits, plain, 0.0)  # 0: not even one micro-batch fits
         out = []
         if self.recompute != "always":
-            if fits.any():
-                last = int(np.flatnonzero(fits)[-1]) + 1
-                out.append((js[:last], t[:last], plain[:last], 0))
+            last = np.full(L, -1, dtype=np.int64)  # per first layer, the last j that fits (-1: none)
+            np.maximum.at(last, ii[fits], jj[fits])
+            sel = jj <= last[ii]
+            if sel.any():
+                out.append((ii[sel], jj[sel], t[sel], plain[sel], 0))
         if self.recompute == "never":
             return out
-        ok = (self.Pbad[o, js + 1] - self.Pbad[o, i]) == 0
-        inb = self.inb[i] + self.Pk[o, js + 1] - self.Pk[o, i]  # kept per in-flight micro-batch
+        ok = (self.Pbad[o, jj + 1] - self.Pbad[o, ii]) == 0
+        inb = self.inb[ii] + self.Pk[o, jj + 1] - self.Pk[o, ii]  # kept per in-flight micro-batch
         room = mem - mp - ma
         with np.errstate(divide="ignore", invalid="ignore"):
             nr = np.where(inb > 0, np.floor(room / np.where(inb > 0, inb, 1)), np.where(room >= 0, INF, 0.0))
@@ -317,8 +334,8 @@ class PipelineDP:
         if self.recompute == "auto":
             keep &= nr > plain  # otherwise the plain row has less time and no less headroom
         if keep.any():
-            tr = t + self.Pf[o, js + 1] - self.Pf[o, i]  # the backward runs the forward again
-            out.append((js[keep], tr[keep], nr[keep], 1))
+            tr = t + self.Pf[o, jj + 1] - self.Pf[o, ii]  # the backward runs the forward again
+            out.append((ii[keep], jj[keep], tr[keep], nr[keep], 1))
         return out
 
     def candidates(self) -> np.ndarray:
@@ -334,25 +351,57 @@ class PipelineDP:
     def run(self, tau: float) -> np.ndarray:
         """The table of Eq. 13 for ``t_max = tau``: ``G[i, p, b + 1]`` holds ``G(i, p, b)``, and
         ``G[..., 0]`` is infinite (a bound below 0: no plan), which a transition whose warm-up
-        exceeds the suffix's bound reads (:meth:`_values`)."""
+        exceeds the suffix's bound reads (:meth:`_values`).
+
+        What does not depend on ``G`` -- which rows are usable at ``tau``, each row's ``δ`` and the
+        slots of ``G`` it reads -- is computed for the rows of every layer at once (the flat index
+        of :meth:`_build_index`); per layer only the gather from ``G``, the ``t + 2c`` added and the
+        minimum per start device remain. The same floats as :meth:`_values` per layer: the same
+        rows in the same order, the same additions, minima (exact) over the same groups."""
         self.runs += 1
         K, L, D = self.K, self.L, self.D
         self.Kr = min(K, self.reach(tau) + 1)  # bounds >= the largest warm-up at tau are "any"
         G = np.full((L + 1, D + 1, K + 2), INF)
         G[L, D, 1:] = 0.0
-        bs = np.arange(self.Kr + 1)
+        fl = self._flat
+        rows = np.flatnonzero(fl["tc_max"] <= tau)  # t <= tau and c <= tau
+        if not len(rows):
+            return G
+        Kr = self.Kr
+        slots = self._slot_table(Kr)
+        d = delta(fl["c"].take(rows), tau, self.eps)
+        nm = np.minimum(fl["nm"].take(rows), Kr)  # Nmax as a bound index (Kr: unconstrained)
+        idx = slots[(d - 1) * (Kr + 1) + nm]
+        idx += fl["base"].take(rows)[:, None]
+        step = fl["step"].take(rows)[:, None]
+        p = fl["p"].take(rows).astype(np.int64)
+        layer = fl["layer"].take(rows)
+        # per layer, the runs of equal start devices (rows are sorted by p within a layer)
+        new = np.concatenate(([True], (p[1:] != p[:-1]) | (layer[1:] != layer[:-1])))
+        starts = np.flatnonzero(new)
+        bounds = np.searchsorted(layer, np.arange(L + 1), side="left")
+        gbounds = np.searchsorted(starts, bounds, side="left")
+        flatG = G.ravel()
+        width = Kr + 2
         for i in range(L - 1, -1, -1):
-            a = self.index[i]
-            if not len(a["t"]):
+            lo, hi = bounds[i], bounds[i + 1]
+            if lo == hi:
                 continue
-            rows = np.flatnonzero(a["tc_max"] <= tau)  # t <= tau and c <= tau
-            if not len(rows):
-                continue
-            vals = self._values(a, rows, tau, G, bs)
-            p = a["p"].take(rows)
-            starts = np.flatnonzero(np.concatenate(([True], p[1:] != p[:-1])))  # (np.r_ costs 0.1 ms a call)
-            G[i, p[starts].astype(int), 1 : self.Kr + 2] = np.minimum.reduceat(vals, starts, axis=0)
+            vals = flatG[idx[lo:hi]]
+            vals += step[lo:hi]
+            st = starts[gbounds[i] : gbounds[i + 1]]
+            G[i, p[st], 1:width] = np.minimum.reduceat(vals, st - lo, axis=0)
         return G
+
+    def _slot_table(self, K: int) -> np.ndarray:
+        """The slot of ``G`` each (δ, Nmax) class reads at each bound ``b <= K`` (:meth:`_values`)."""
+        slots = self._slots.get(K)
+        if slots is None:
+            bs = np.arange(K + 1)
+            j = np.minimum(bs[None, :], np.arange(K + 1)[:, None])  # [Nmax, b]
+            slots = np.concatenate([np.where(j >= K, K + 1, np.maximum(j - dd + 1, 0)) for dd in (1, 2, 3)])
+            self._slots[K] = slots
+        return slots
 
     def _values(self, a: dict, rows: np.ndarray, tau: float, G: np.ndarray, bs: np.ndarray) -> np.ndarray:
         """The values of the transitions ``rows`` (indices into ``a``) at every bound ``b <= Kr``:
@@ -362,11 +411,7 @@ class PipelineDP:
         nm = np.minimum(a["nm"].take(rows), K)  # Nmax as a bound index (K: unconstrained)
         # the slot of G each (delta, Nmax) class reads at each bound b, from one small table:
         # min(b, Nmax) - delta + 1, K + 1 where min(b, Nmax) >= K ("any"), 0 (infinite) below 0
-        slots = self._slots.get(K)
-        if slots is None:
-            j = np.minimum(bs[None, :], np.arange(K + 1)[:, None])  # [Nmax, b]
-            slots = np.concatenate([np.where(j >= K, K + 1, np.maximum(j - dd + 1, 0)) for dd in (1, 2, 3)])
-            self._slots[K] = slots
+        slots = self._slot_table(K)
         idx = slots[(d - 1) * (K + 1) + nm]
         idx += a["base"].take(rows)[:, None]
         vals = G.ravel()[idx]

@@ -49,6 +49,9 @@ from .cost import TripleTime
 #: share the time-independent structure of equal searches (and its memos) across the searches of a
 #: theory (:meth:`SegmentSearch.__init__`); False: each search builds its own
 SHARE_STRUCTURE = True
+#: one device type (a homogeneous sub-mesh): search with floats, not 1-tuples (:meth:`SegmentSearch._search1`;
+#: the same floats, states and programs); False: the general loop for every type count
+SINGLE_TYPE = True
 
 
 @dataclass
@@ -299,6 +302,8 @@ class SegmentSearch:
     def _search(self, on_state: Callable[[int, tuple], None], done: Callable[[float], bool]) -> list[tuple]:
         """Best-first over partial programs; ``on_state`` sees every kept state, ``done(score)``
         says when the smallest open score can no longer matter."""
+        if self.ntypes == 1 and SINGLE_TYPE:
+            return self._search1(on_state, done)
         t0 = time.perf_counter()
         zero = (0.0,) * self.ntypes
         # record: (live, tokens, ever, closed, fopen, bopen, last_pure, parent, triple)
@@ -392,6 +397,138 @@ class SegmentSearch:
         self.stats.seconds += time.perf_counter() - t0
         return nodes
 
+    def _search1(self, on_state: Callable[[int, tuple], None], done: Callable[[float], bool]) -> list[tuple]:
+        """:meth:`_search` for one device type (every homogeneous sub-mesh of the pipeline's stage
+        costs): the open stages' per-type compute is one float, not a 1-tuple, so each step adds
+        floats instead of building tuples. The same arithmetic in the same order -- ``max`` of one
+        value is that value, ``_over`` of one pair is ``max(0, a - b)`` -- so the same floats, the
+        same states, the same order of expansion and the same programs (records hold floats at
+        positions 4 and 5, which :meth:`_cost` reads as such)."""
+        t0 = time.perf_counter()
+        stats = self.stats
+        # record: (live, tokens, ever, closed, fopen, bopen, last_pure, parent, triple)
+        nodes: list[tuple] = []
+        dead: set[int] = set()
+        best: dict[tuple[int, int, int], list[int]] = {}
+        heap: list[tuple[float, int]] = []
+        remaining = self._remaining
+        heappush, heappop = heapq.heappush, heapq.heappop
+        protected = self.protected
+        alive_memo, reach, consumers = self._alive_memo, self._reach, self.consumers
+        pre, post, tok, key_of, pure_of = self.pre, self.post, self.tok, self.key, self.pure
+        times = self.times
+        grad = [tt.grad for tt in times]
+        fcomm = [tt.fwd_comm if tt.has_fwd_comm else None for tt in times]
+        bcomm = [tt.bwd_comm if tt.has_bwd_comm else None for tt in times]
+        fcomp = [tt.fwd_comp[0] for tt in times]
+        bcomp = [tt.bwd_comp[0] for tt in times]
+
+        def drop_dead(live: int, ever: int, used: int) -> int:
+            # _drop_dead, with its memo and tables at hand
+            m = live & ~protected
+            while m:
+                low = m & -m
+                m ^= low
+                rp, rt = reach.get(low, (0, 0))
+                key = (low, ever & rp, used & rt)
+                alive = alive_memo.get(key)
+                if alive is None:
+                    alive = alive_memo[key] = any(
+                        (post[c] & ~ever) and not (tok[c] & used) for c in consumers.get(low, ())
+                    )
+                if not alive:
+                    live &= ~low
+            return live
+
+        def push(rec: tuple) -> None:
+            live, tokens, _, closed, fo, bo, lp, _, _ = rec
+            key = (live, tokens, lp)
+            bucket = best.get(key)
+            if bucket is not None:
+                for other in bucket:
+                    o = nodes[other]
+                    x, y = o[4] - fo, o[5] - bo
+                    if closed >= o[3] + (x if x > 0.0 else 0.0) + (y if y > 0.0 else 0.0):
+                        stats.pruned += 1
+                        return
+                keep = []
+                for other in bucket:
+                    o = nodes[other]
+                    x, y = fo - o[4], bo - o[5]
+                    if o[3] >= closed + (x if x > 0.0 else 0.0) + (y if y > 0.0 else 0.0):
+                        dead.add(other)
+                        stats.pruned += 1
+                    else:
+                        keep.append(other)
+                bucket[:] = keep
+            else:
+                bucket = best[key] = []
+            idx = len(nodes)
+            nodes.append(rec)
+            bucket.append(idx)
+            rf, rb = remaining(live)
+            heappush(heap, (closed + (fo + rf[0]) + (bo + rb[0]), idx))
+            stats.generated += 1
+            on_state(idx, rec)
+
+        start = drop_dead(self.start, self.start, self.start_tokens)
+        push((start, self.start_tokens, self.start, 0.0, 0.0, 0.0, -1, -1, -1))
+        next_report = t0 + 2.0
+        deadline = self.deadline
+        cand_memo = self._cand_memo
+        progress = self.progress
+        while heap:
+            score, idx = heappop(heap)
+            if done(score):
+                break
+            if idx in dead:
+                continue
+            stats.expanded += 1
+            if deadline is not None and time.monotonic() > deadline:
+                stats.seconds += time.perf_counter() - t0
+                raise OutOfTime
+            live, tokens, ever, closed, fo, bo, lp, _, _ = nodes[idx]
+            ordered = cand_memo.get(live)
+            if ordered is None:
+                cand = set(self.free)
+                m = live
+                while m:
+                    low = m & -m
+                    cand.update(consumers.get(low, ()))
+                    m ^= low
+                ordered = cand_memo[live] = sorted(cand)
+            for k in ordered:
+                pk = post[k]
+                if pre[k] & ~live or tok[k] & tokens or not (pk & ~ever):
+                    continue
+                pure = pure_of[k]
+                if pure and lp >= 0 and key_of[k] < lp:
+                    continue  # canonical order inside a stage
+                c = closed + grad[k]
+                x = fcomm[k]
+                if x is not None:
+                    c += fo + x
+                    f = fcomp[k]
+                else:
+                    f = fo + fcomp[k]
+                x = bcomm[k]
+                if x is not None:
+                    c += bo + x
+                    b = bcomp[k]
+                else:
+                    b = bo + bcomp[k]
+                new_ever = ever | pk
+                new_tok = tokens | tok[k]
+                new_live = drop_dead(live | pk, new_ever, new_tok)
+                if not (new_live & pk & ~live):
+                    continue  # everything it adds is dead on arrival: a useless triple
+                push((new_live, new_tok, new_ever, c, f, b, key_of[k] if pure else -1, idx, k))
+            if progress is not None and time.perf_counter() > next_report:
+                next_report = time.perf_counter() + 2.0
+                progress(stats, score)
+        stats.seconds += time.perf_counter() - t0
+        return nodes
+
     def _path(self, nodes: list, idx: int) -> list[int]:
         out = []
         while nodes[idx][7] >= 0:
@@ -399,8 +536,9 @@ class SegmentSearch:
             idx = nodes[idx][7]
         return out[::-1]
 
-    @staticmethod
-    def _cost(rec: tuple) -> float:
+    def _cost(self, rec: tuple) -> float:
+        if self.ntypes == 1 and SINGLE_TYPE:  # _search1's records: the open stages' compute as floats
+            return rec[3] + rec[4] + rec[5]
         return rec[3] + max(rec[4]) + max(rec[5])
 
     def run(self, goals: dict[str, frozenset[Prop]]) -> dict[str, Found]:

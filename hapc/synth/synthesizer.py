@@ -525,6 +525,11 @@ class _Synth:
         self.seg_cache: dict[tuple, dict] = {}  # (signature, relative entry) -> exits
         self.exit_cache: dict[tuple, list] = {}  # (segment, entry masks) -> exits as masks
         self.block_cache: dict[tuple, dict] = {}
+        # block_from's per-block masks, entry labels and mapped exits (pure functions of the space,
+        # the bit numbering and the cached search they map; never stale: keyed by that search)
+        self._block_info: dict[int, tuple] = {}
+        self._block_rel: dict[tuple, tuple] = {}
+        self._block_exits: dict[tuple, tuple] = {}
         self.reps: dict[int, Segment] = {}
         self.stats = SearchStats()
         self.searches = 0
@@ -707,7 +712,8 @@ class _Synth:
                         if must and not all(ex[0] & m for m in must):
                             continue
                         total = cost + c
-                        if ex not in nxt or total < nxt[ex][0] - 1e-15:
+                        old = nxt.get(ex)
+                        if old is None or total < old[0] - 1e-15:
                             nxt[ex] = (total, (back, -1, progs, c))
                 table = self._bounded(nxt, sp.blocks[b][-1] + 1, 0.0)
             else:
@@ -738,21 +744,32 @@ class _Synth:
         Only the part of ``state`` the block touches is searched; the rest passes through (kept
         when needed after the block), so blocks that differ only in what flows past them share
         one search. ``offset`` is the entry state's cost: exits that cannot beat ``upper`` from
-        there are dropped, so a cached search serves entries at that cost or more."""
+        there are dropped, so a cached search serves entries at that cost or more.
+
+        Returns ``{(live, tokens): (cost, (b, programs))}`` with ``programs`` relative to the block
+        (``(segment offset, positions in that segment's triples, segment cost)``), mapped to theory
+        indices only for the program returned (:func:`_result`), not for every exit of every call.
+        The exits' masks under this block's tensors are computed once per cached search and block."""
         sp, bits = self.space, self.bits
-        segs = [sp.segments[i] for i in sp.blocks[b]]
-        lab, ref = sp.block_labels[b], sp.block_refs[b]
-        touched = toks_touched = 0
-        for sg in segs:
-            touched |= self.masks[sg.index].touched_props
-            toks_touched |= self.masks[sg.index].touched_toks
-        end = self.masks[segs[-1].index]
+        info = self._block_info.get(b)
+        if info is None:
+            segs = [sp.segments[i] for i in sp.blocks[b]]
+            touched = toks_touched = 0
+            for sg in segs:
+                touched |= self.masks[sg.index].touched_props
+                toks_touched |= self.masks[sg.index].touched_toks
+            end = self.masks[segs[-1].index]
+            info = self._block_info[b] = (touched, toks_touched, end.needed, end.toks_after, segs)
+        touched, toks_touched, end_needed, end_toks, segs = info
         live_in, tok_in = state[0] & touched, state[1] & toks_touched
-        passing = (state[0] & ~touched & end.needed, state[1] & ~toks_touched & end.toks_after)
-        rel = (
-            frozenset((lab[p.ref], p.layout) for p in bits.props(live_in)),
-            frozenset((a, lab[r]) for a, r in bits.toks(tok_in)),
-        )
+        lab, ref = sp.block_labels[b], sp.block_refs[b]
+        rkey = (b, live_in, tok_in)
+        rel = self._block_rel.get(rkey)
+        if rel is None:
+            rel = self._block_rel[rkey] = (
+                frozenset((lab[p.ref], p.layout) for p in bits.props(live_in)),
+                frozenset((a, lab[r]) for a, r in bits.toks(tok_in)),
+            )
         key = (sp.block_signatures[b], rel)
         hit = self.block_cache.get(key)
         if hit is None or hit[0] > offset:
@@ -770,17 +787,20 @@ class _Synth:
                 )
                 out[rel_st] = (c, progs[::-1])
             self.block_cache[key] = hit = (offset if self.upper < math.inf else -math.inf, out)
-        result = {}
-        for (rl, rt), (c, progs) in hit[1].items():
-            lv = passing[0]
-            for r, lay in rl:
-                lv |= bits.p(Prop(ref[r], lay))
-            tk = passing[1]
-            for a, r in rt:
-                tk |= bits.t((a, ref[r]))
-            mapped = [(segs[off].index, [segs[off].triples[i] for i in prog], sc) for off, prog, sc in progs]
-            result[(lv, tk)] = (c, mapped)
-        return result
+        mapped = self._block_exits.get((b, key))
+        if mapped is None or mapped[0] is not hit:
+            exits = []
+            for (rl, rt), (c, progs) in hit[1].items():
+                lv = 0
+                for r, lay in rl:
+                    lv |= bits.p(Prop(ref[r], lay))
+                tk = 0
+                for a, r in rt:
+                    tk |= bits.t((a, ref[r]))
+                exits.append((lv, tk, (c, (b, progs))))
+            mapped = self._block_exits[(b, key)] = (hit, exits)
+        p0, p1 = state[0] & ~touched & end_needed, state[1] & ~toks_touched & end_toks
+        return {(lv | p0, tk | p1): val for lv, tk, val in mapped[1]}
 
 
 _OutOfTime = OutOfTime  # the deadline of :func:`synthesize_program` passed (in any of its searches)
@@ -1060,9 +1080,12 @@ def _result(space: SynthSpace, run: _Synth, best: tuple, bounds: list, proven: b
         back, si, prog, c = back
         if si >= 0:
             parts[si], seg_costs[si] = prog, c
-        else:  # a whole repeated block
-            for sj, p, sc in prog:
-                parts[sj], seg_costs[sj] = p, sc
+        else:  # a whole repeated block: its programs relative to it (_Synth.block_from)
+            b, progs = prog
+            block = space.blocks[b]
+            for off, p, sc in progs:
+                sj = block[off]
+                parts[sj], seg_costs[sj] = [space.segments[sj].triples[i] for i in p], sc
     return SynthResult(parts, total, seg_costs, run.stats, run.searches, bounds, proven, floor)
 
 
