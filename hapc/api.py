@@ -177,8 +177,9 @@ def compile(
             ``False``: left out. A :class:`~hapc.segmented.SegmentedPlan` (or its saved file) as
             ``plan`` runs it as planned. The result is a :class:`~hapc.segmented.SegmentedModule`
             (``train_step``, or ``module(*batch)`` + ``backward()``; the global batch on every rank).
-            Options it cannot honour (``init``, ``leaf_modules``, ``capture``, ``loss``, ``outputs``,
-            ``num_micro``, a ``baseline`` or single ``ratios``, keyword inputs) are refused.
+            Options it cannot honour (``init``, ``leaf_modules``, ``capture``, ``loss``,
+            ``outputs="local"``, ``num_micro``, a ``baseline`` or single ``ratios``) are refused; it
+            is called like the model and returns its structure, other tensors ``None`` (as a pipeline).
         recompute: a pipeline's activation recomputation: ``"auto"`` (default) -- the planner has a
             stage recompute its activations in backward where memory binds (an extra forward per
             micro-batch for fewer bytes held, :mod:`hapc.pipeline.dp`); ``"never"``; ``"always"``.

@@ -358,8 +358,6 @@ def segmented_blocker(cluster: Cluster, example_inputs: Any) -> str | None:
         return "per-segment ratios run one process per device: the cluster describes virtual hosts"
     if len(cluster.device_types()) < 2:
         return "one device group: every segment's balanced ratios would be the same"
-    if isinstance(example_inputs, dict):
-        return "the segmented runtime takes positional inputs (the example inputs are keyword arguments)"
     if _batch_size(example_inputs) is None:
         return "no input has a batch dimension whose rows segments could re-shard"
     return None
@@ -371,19 +369,16 @@ def outputs_blocker(graph: Any, what: str = "a pipeline") -> str | None:
     tensors ``None`` in the model's structure), the SPMD module hands the other tensors (logits
     for a metric) back, so picking a pipeline by cost would change what the user's call returns --
     unless the caller said it needs the loss alone (``hapc.compile(..., outputs="loss")``, which
-    :func:`choose_plan` is told as ``outputs``). An explicit pipeline still runs."""
+    :func:`choose_plan` is told as ``outputs``). ``what``: the kind (per-segment ratios likewise).
+    An explicit pipeline or segmented plan still runs."""
     extra = len(graph.outputs) - 1
     if extra < 1:
         return None
-    if what != "a pipeline":
-        return (
-            f"the model returns {extra} tensor(s) besides its loss, which only the SPMD module hands back "
-            f"({what} return the loss alone)"
-        )
+    forced = "pipeline=True (hapc synth --kind pipeline)" if what == "a pipeline" else "segmented=True"
     return (
-        f"the model returns {extra} tensor(s) besides its loss, which only the SPMD module hands back (a "
-        "pipeline returns them as None); outputs='loss' (the loss alone is needed) lets the planner choose a "
-        "pipeline, and pipeline=True (hapc synth --kind pipeline) trains it pipelined without them"
+        f"the model returns {extra} tensor(s) besides its loss, which only the SPMD module hands back ({what} "
+        f"returns them as None); outputs='loss' (the loss alone is needed) lets the planner choose it, and "
+        f"{forced} trains it so without them"
     )
 
 
@@ -567,7 +562,9 @@ def choose_plan(
             if blocker is None:
                 if theory is None:
                     theory = derive(trace(model, example_inputs, **(trace_options or {})), **theory_options)
-                blocker = outputs_blocker(theory.graph, "per-segment ratios")
+                # a choice between the kinds must not change what the call returns (forced: it runs)
+                choice = "spmd" in kinds and outputs != "loss"
+                blocker = outputs_blocker(theory.graph, "a segmented plan") if choice else None
             if blocker is not None:
                 out.append(KindEstimate(kind, "not applicable", reason=blocker))
                 continue

@@ -45,9 +45,11 @@ returns the batch loss, and exposes what the other kinds do: ``train_step``, ``m
 ``full_state_dict`` / ``load_full_state_dict`` (single-device state, optimizer state by name),
 ``state_dict`` / ``load_state_dict``, ``train()`` / ``eval()``, ``no_sync()``, ``unwrap()``. Dropout draws are
 keyed by op name and step (:class:`hapc.ops.RandomStream`), the same in every segment as in one
-program. Refused (HapcError naming the fix): a parameter read by two segments (tied weights across
-a cut), inputs other than the traced global batch (a rank's share, another batch size), keyword
-inputs, models returning more than their loss.
+program. Calls bind as the model's ``forward`` binds them (positionally or by keyword,
+:class:`hapc.codegen.calls.ModelCall`), and the forward returns the model's structure with the loss
+in its place and ``None`` for other returned tensors (logits). Refused (HapcError naming the fix): a
+parameter read by two segments (tied weights across a cut: no such cut is planned), inputs other
+than the traced global batch (a rank's share, another batch size).
 
 A plan is :class:`SegmentedPlan`: the cuts and one :class:`~hapc.plan.Plan` per segment, saved as
 versioned JSON (``"format": "hapc-segmented-plan"``; never pickle).
@@ -67,6 +69,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .cluster import Cluster
+from .codegen.calls import ModelCall
 from .collectives import flush_losses
 from .errors import HapcError, PlanError
 from .plan import Plan
@@ -477,24 +480,19 @@ class SegmentedModule(nn.Module):
 
         if not dist.is_initialized():
             raise HapcError("a segmented module runs inside a distributed job: start it with torchrun")
-        if isinstance(example_inputs, dict):
-            raise HapcError(
-                "per-segment ratios take positional inputs (the example inputs are keyword arguments): pass them "
-                "positionally, or compile without per-segment ratios"
-            )
         self.group = group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+        if isinstance(example_inputs, dict):  # keyword inputs (a Hugging Face batch)
+            inputs: Any = dict(example_inputs)
+        else:
+            inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
         graph = trace(model, inputs)
         plan.check(graph=graph, world_size=self.world)
-        if len(graph.outputs) > 1:
-            raise HapcError(
-                f"the model returns {len(graph.outputs) - 1} tensor(s) besides its loss, which a segmented module "
-                "does not hand back (it returns the loss alone): return the loss alone, or compile without "
-                "per-segment ratios"
-            )
         self.plan = plan
         self.input_names = list(graph.input_names)
+        # calls bind as the model's forward binds them; its structure comes back with the loss in
+        # its place and None for the other tensors (hapc.codegen.calls)
+        self._call = ModelCall(model, inputs, graph)
         self._shapes = {n.name: (tuple(n.shape), n.meta.dtype) for n in graph.inputs}
         stages = split(graph, plan.cuts)
         topts = _theory_options(plan.plans[0].options)
@@ -523,10 +521,8 @@ class SegmentedModule(nn.Module):
         self.plan_kinds: list[dict[str, Any]] = list(plan.kinds)
 
     # -- the step -----------------------------------------------------------------------------------------
-    def _forwards(self, inputs: Sequence[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        if len(inputs) != len(self.input_names):
-            raise TypeError(f"the segmented module takes the model inputs {self.input_names}, got {len(inputs)} values")
-        bound = dict(zip(self.input_names, inputs))
+    def _forwards(self, args: tuple, kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        bound = dict(zip(self.input_names, self._call.bind(args, kwargs, "the segmented module")))
         for name, x in bound.items():
             shape, dtype = self._shapes[name]
             if isinstance(x, torch.Tensor) and (tuple(x.shape) != shape or x.dtype != dtype):
@@ -563,22 +559,26 @@ class SegmentedModule(nn.Module):
             back = reshard_backward(self.boundaries[k], g, self.rank, self.world, self.group)
             outs[k].backward(back.view(outs[k].shape))
 
-    def train_step(self, *inputs: Any) -> torch.Tensor:
-        """Forward and backward of the batch; the batch loss (detached)."""
-        outs, leaves = self._forwards(inputs)
+    def train_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Forward and backward of the batch; the batch loss (detached). Inputs bind as for
+        :meth:`forward`."""
+        outs, leaves = self._forwards(args, kwargs)
         self._backwards(outs, leaves, 1.0)
         return outs[-1].detach()
 
-    def forward(self, *inputs: Any) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         """``loss = module(*batch)`` then ``loss.backward()``, as with DDP: the segments' backwards run
         when the loss's does, seeded with its gradient (the same on every rank). Under
-        ``torch.no_grad()`` only the forwards run."""
-        outs, leaves = self._forwards(inputs)
+        ``torch.no_grad()`` only the forwards run. Inputs bind as the model's ``forward`` binds
+        them (positionally or by keyword); the result is the model's structure with the loss in its
+        place and ``None`` for the other tensors (``hapc.compile`` chooses this kind by cost for a
+        model returning them only under ``outputs="loss"``)."""
+        outs, leaves = self._forwards(args, kwargs)
         loss = outs[-1].detach()
         if not torch.is_grad_enabled():
-            return loss
+            return self._call.structured(loss)
         anchor = torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
-        return _SegmentedLoss.apply(anchor, loss, self, (outs, leaves))
+        return self._call.structured(_SegmentedLoss.apply(anchor, loss, self, (outs, leaves)))
 
     def _agree_on_scale(self, scale: float) -> None:
         """The gradient seeding the loss must be the same on every rank (each seeds the last segment

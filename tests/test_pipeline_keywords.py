@@ -229,3 +229,51 @@ def test_an_explicit_pipeline_refuses_the_options_it_would_ignore():
     for got in results:
         for option, message in got.items():
             assert f"{option}=" in message and "pipeline=True cannot honour" in message, message
+
+
+def _bert() -> tuple[nn.Module, dict]:
+    torch.manual_seed(0)
+    model, batch = realworld.bert_cls(batch=6)
+    return model.double(), batch
+
+
+def _segmented_job(rank, world):
+    torch.set_num_threads(1)
+    model, batch = _bert()
+    module = hapc.compile(model, cluster_of([1e10, 3e9]), batch, segmented=True)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    out = module(**batch)
+    out.loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    second = module.train_step(**batch)
+    optimizer.step()
+    return {"kind": type(module).__name__, "out": type(out).__name__, "logits": out.logits,
+            "losses": [float(out.loss), float(second)], "state": module.full_state_dict()}  # fmt: skip
+
+
+def test_per_segment_ratios_take_a_keyword_model():
+    """BERT (tiny, sequence classification) called by keyword under per-segment ratios on two ranks
+    at uneven speeds: the ``ModelOutput`` comes back with the loss, and two steps equal one device's;
+    the planner weighs the kind only under ``outputs="loss"``."""
+    model, batch = _bert()
+    whole = choose_plan(model, cluster_of([1e10, 3e9]), batch, kinds=("spmd", "segmented"))
+    assert whole.kinds[2].status == "not applicable" and "outputs='loss'" in whole.kinds[2].reason
+    loss = choose_plan(model, cluster_of([1e10, 3e9]), batch, kinds=("spmd", "segmented"), outputs="loss")
+    assert loss.kinds[2].status in ("feasible", "chosen", "pruned", "infeasible") and loss.kinds[2].reason != (
+        whole.kinds[2].reason
+    )
+    results = run_distributed(_segmented_job, 2, timeout=300)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    want = []
+    for _ in range(2):
+        optimizer.zero_grad()
+        out = model(**batch)
+        out.loss.backward()
+        want.append(float(out.loss))
+        optimizer.step()
+    for got in results:
+        assert got["kind"] == "SegmentedModule" and got["out"] == type(out).__name__ and got["logits"] is None
+        assert got["losses"] == pytest.approx(want, rel=1e-10)
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(got["state"][k], v, rtol=1e-9, atol=1e-12, msg=k)

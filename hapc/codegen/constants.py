@@ -29,8 +29,8 @@ input the program lacks) and any value other than ``None``, ``bool``, ``int``, `
 :func:`hapc.theory.trace._named_root`) and a flag off its default (an ``if`` fx cannot follow) are
 judged by two ``torch.export`` captures, without and with the change.
 
-The pipeline runtime binds its calls the same way (:meth:`hapc.pipeline.runtime.PipelineModule._bind`:
-positional or keyword inputs, its constants checked by a :class:`ConstantInputs` of one micro-batch).
+A pipeline and per-segment ratios bind their calls the same way (:class:`hapc.codegen.calls.ModelCall`:
+positional or keyword inputs, the constants checked by a :class:`ConstantInputs`).
 """
 
 from __future__ import annotations

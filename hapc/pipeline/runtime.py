@@ -82,7 +82,7 @@ from torch import nn
 
 from .._util import broadcast_json
 from ..cluster import Cluster
-from ..codegen.constants import check_constant_inputs, constant_inputs
+from ..codegen.calls import ModelCall
 from ..codegen.grad_norm import install_pipeline as install_pipeline_norms
 from ..codegen.grad_norm import mark_stage as mark_stage_grads
 from ..errors import HapcError
@@ -208,7 +208,7 @@ class PipelineModule(nn.Module):
         """``timeout``: seconds after which a send, receive or collective of the pipeline gives up
         and raises (default: the job's own process-group timeout)."""
         super().__init__()
-        from ..codegen.module import CompiledModule, _call_checker, _positional_names, _signature
+        from ..codegen.module import CompiledModule
         from ..theory import derive, trace
 
         if not dist.is_initialized():
@@ -236,14 +236,9 @@ class PipelineModule(nn.Module):
         micro = micro_batches(example, spec.num_micro, self.batch)[0]
         graph = trace(model, micro)
         self.input_names = list(graph.input_names)
-        # calls bind as the model's forward binds them (positionally or by keyword, as the SPMD module
-        # does); a constant the capture specialised on (a flag, an input left at None) is checked
-        sig = _signature(model)
-        self._positional = _positional_names(sig, self.input_names)
-        self._call_checker = _call_checker(sig, type(model).__name__, self.input_names)
-        self._constants = constant_inputs(model, micro, graph)
-        # what the model returns: the loss goes back in its place, the other tensors as None
-        self._output_spec, self._loss_leaf, self._num_outputs = graph.output_spec, graph.loss_leaf, len(graph.outputs)
+        # calls bind as the model's forward binds them (positionally or by keyword); the model's
+        # structure comes back with the loss in its place (hapc.codegen.calls)
+        self._call = ModelCall(model, micro, graph)
         self._loss_dtype = graph.loss.meta.dtype
         stages = split_graph(graph, spec.cuts)
         # how the micro-batches' losses make the batch loss; checked on every rank before any work
@@ -368,7 +363,7 @@ class PipelineModule(nn.Module):
         (evaluation). A forward whose loss is never backpropagated is dropped at the next forward
         or step; one loss per backward: summing two forwards' losses before one backward is
         refused."""
-        inputs = self._bind(args, kwargs)
+        inputs = self._call.bind(args, kwargs, "the pipeline")
         step, hi = self._begin(inputs)
         rng = self.module.rng
         for kind, m in self._calls:
@@ -379,16 +374,16 @@ class PipelineModule(nn.Module):
         loss = self._batch_loss(step.losses, step.weights, inputs)
         if not torch.is_grad_enabled():  # (the same on every rank: one that would skip the backward would hang it)
             self._drop(step)
-            return self._structured(loss)
+            return self._call.structured(loss)
         self._pending = step
         anchor = torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
-        return self._structured(_PipelineLoss.apply(anchor, loss, self, step))
+        return self._call.structured(_PipelineLoss.apply(anchor, loss, self, step))
 
     def train_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Forward and backward of every micro-batch by the planned schedule; the batch loss (the
         tensor alone, as the SPMD module's ``train_step`` returns it). Inputs bind as for
         :meth:`forward`."""
-        inputs = self._bind(args, kwargs)
+        inputs = self._call.bind(args, kwargs, "the pipeline")
         step, hi = self._begin(inputs)
         rng = self.module.rng
         for kind, m in self._calls:
@@ -398,33 +393,8 @@ class PipelineModule(nn.Module):
         self._finish(step)
         return self._batch_loss(step.losses, step.weights, inputs)
 
-    def _bind(self, args: tuple, kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        """A call's arguments as the traced inputs, in :attr:`input_names` order: bound by the
-        model's signature (what its ``forward`` refuses -- an unknown keyword, a positional too
-        many -- is refused alike), its constants checked against the capture's
-        (:mod:`hapc.codegen.constants`: another value that changes the program is refused)."""
-        self._call_checker(args, kwargs)
-        if len(args) > len(self._positional):
-            raise TypeError(f"the pipeline takes the model inputs {self.input_names}, got {len(args)} positional")
-        bound = dict(zip(self._positional, args))
-        bound.update(kwargs)
-        check_constant_inputs(self._constants, bound)
-        missing = [n for n in self.input_names if n not in bound]
-        if missing:
-            raise TypeError(f"missing model input(s) {missing}: the pipeline takes {self.input_names}")
-        return tuple(bound[n] for n in self.input_names)
-
-    def _structured(self, loss: torch.Tensor) -> Any:
-        """What the model returns, the loss in its place and ``None`` for every other tensor."""
-        spec = self._output_spec
-        if spec is None or isinstance(spec, int):
-            return loss
-        from ..theory.capture import rebuild_output
-
-        return rebuild_output(spec, [loss if k == self._loss_leaf else None for k in range(self._num_outputs)])
-
     def _begin(self, inputs: Sequence[Any]) -> tuple[_Step, int]:
-        """A step over this replica's micro-batches of ``inputs`` (bound by :meth:`_bind`), and the
+        """A step over this replica's micro-batches of ``inputs`` (bound by ``ModelCall.bind``), and the
         end of their range (a forward left without its backward is dropped first)."""
         if self._pending is not None:
             self._drop(self._pending)
