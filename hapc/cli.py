@@ -294,6 +294,7 @@ def cmd_synth(ns: argparse.Namespace) -> int:
         theory_options=_precision(ns),
         progress=progress,
         recompute=ns.recompute,
+        outputs=ns.outputs,
     )
     if choice.kind == "pipeline":
         console.print(kinds_table(choice.kinds))
@@ -598,6 +599,14 @@ def build_parser() -> argparse.ArgumentParser:
         "and takes the fastest",
     )
     y.add_argument("--pipeline", action="store_true", help="same as --kind pipeline")
+    y.add_argument(
+        "--outputs",
+        choices=["whole", "loss"],
+        default="whole",
+        help="what the training loop reads of the model's other returned tensors (hapc.compile's outputs=): "
+        "whole (default; a model returning logits is then not pipelined by the choice), loss (none: a pipeline "
+        "or per-segment ratios may be chosen, returning them as None)",
+    )
     y.add_argument(
         "--micro",
         type=_positive_int,

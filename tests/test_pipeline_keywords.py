@@ -277,3 +277,22 @@ def test_per_segment_ratios_take_a_keyword_model():
         assert got["losses"] == pytest.approx(want, rel=1e-10)
         for k, v in model.state_dict().items():
             torch.testing.assert_close(got["state"][k], v, rtol=1e-9, atol=1e-12, msg=k)
+
+
+def test_synth_pipelines_a_keyword_model_under_outputs_loss(capsys, tmp_path, monkeypatch):
+    """``hapc synth`` of a user's factory returning a Hugging Face model and a dict batch: the
+    kinds table says why no pipeline (its logits) and names ``outputs='loss'``; ``--outputs loss``
+    plans the pipeline."""
+    from hapc.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hfzoo.py").write_text(
+        "import realworld\n\ndef gpt2():\n    return realworld.gpt2(batch=8)\n", encoding="utf-8"
+    )
+    (tmp_path / "slow.toml").write_text(_two_groups().to_toml(), encoding="utf-8")
+    args = ["synth", "hfzoo:gpt2", "--cluster", "slow.toml", "--micro", "4"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "outputs='loss'" in " ".join(out.split()) and "pipelined on" not in out
+    assert main([*args, "--outputs", "loss"]) == 0
+    assert "pipelined on" in capsys.readouterr().out
