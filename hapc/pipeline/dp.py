@@ -241,6 +241,8 @@ class PipelineDP:
         end = links.index("end") if "end" in links else -1
         keys = ("i", "t", "c", "nmax", "ni", "np", "p", "o", "link", "rc")
         cols: dict[str, list] = {k: [] for k in keys}
+        t_values: list[np.ndarray] = []
+        c_values: list[np.ndarray] = []
         for o, opt, groups in place:
             for ii, js, t, nmax, rc in self._row_pairs(o, self.groups[opt.group].memory):
                 for lk, bw, lat, starts in groups:
@@ -250,6 +252,8 @@ class PipelineDP:
                     jj = js[sel]
                     c = np.zeros(len(jj)) if lk == end else lat + tb.out_bytes[jj] / bw
                     k = len(starts)
+                    t_values.append(t[sel])  # (each row's t and c once, not once per start: candidates())
+                    c_values.append(c)
                     cols["i"].append(np.tile(ii[sel], k))
                     cols["t"].append(np.tile(t[sel], k))
                     cols["c"].append(np.tile(c, k))
@@ -260,6 +264,8 @@ class PipelineDP:
                     cols["o"].append(np.full(len(jj) * k, o))
                     cols["link"].append(np.full(len(jj) * k, lk))
                     cols["rc"].append(np.full(len(jj) * k, rc))
+        self._t_values = np.concatenate(t_values) if t_values else np.zeros(0)
+        self._c_values = np.concatenate(c_values) if c_values else np.zeros(0)
         ints = ("i", "ni", "np", "p", "o", "link", "rc")
         flat = {
             k: np.concatenate(v) if v else np.zeros(0, dtype=np.int64 if k in ints else float) for k, v in cols.items()
@@ -339,9 +345,10 @@ class PipelineDP:
         return out
 
     def candidates(self) -> np.ndarray:
-        """Sorted distinct ``t_max`` candidates: stage times and the ``δ`` thresholds of links."""
-        parts = [a["t"] for a in self.index if len(a["t"])]
-        cs = np.unique(np.concatenate([a["c"] for a in self.index if len(a["c"])] or [np.zeros(0)]))
+        """Sorted distinct ``t_max`` candidates: stage times and the ``δ`` thresholds of links (the
+        values of the index's rows, each taken once rather than once per start device: the same sets)."""
+        parts = [self._t_values] if len(self._t_values) else []
+        cs = np.unique(self._c_values)
         cs = cs[cs > 0]
         up = np.inf
         parts += [np.nextafter(np.nextafter(x, up), up) for x in (cs, 2 * cs, cs / self.eps)]

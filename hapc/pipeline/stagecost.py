@@ -230,12 +230,22 @@ class StageCoster:
         L = len(self.layers)
         out = {k: np.zeros(L) for k in ("fwd", "bwd", "sync", "mem_param", "mem_act", "keep")}
         th = self.theory.triples
-        memo: dict[tuple[int, ...], tuple[float, ...]] = {}
+        # segments of equal signature have the same triples, costs included, position by position
+        # (SynthSpace._signature): a part is priced once per (signature, positions) -- once for
+        # every repeated layer, not once per layer -- with the same floats
+        # (a triple from outside the segment -- an incumbent of a restricted space -- keys it as it is)
+        positions = space.__dict__.get("_positions")
+        if positions is None:
+            positions = [{t: k for k, t in enumerate(sg.triples)} for sg in space.segments]
+            space.__dict__["_positions"] = positions
+        memo: dict[tuple, tuple[float, ...]] = {}
         for seg, part in zip(space.segments, result.parts):
             li = self._layer_of.get(seg.anchors[0])
             if li is None:
                 raise HapcError(f"node {seg.anchors[0]} is in no layer; build layers from the same graph")
-            key_p = tuple(part)
+            at = positions[seg.index]
+            rel = tuple([at.get(k, -1) for k in part])
+            key_p = (seg.signature, rel) if -1 not in rel else (-1, tuple(part))
             if key_p not in memo:
                 costs = [th[k].cost for k in part]
                 f = b = s = 0.0

@@ -129,7 +129,7 @@ class SegmentSearch:
         (self.bits, self.tok_bits, self.pre, self.post, self.tok, self.key, self.defines, self.prop_of,
          self.tok_of, self.start, self.start_tokens, self.protected, self.consumers, self.free, self._reach,
          self.nodes, self.node_bit, self.all_nodes, self.prop_cover, self._alive_memo, self._cover_memo,
-         self._cand_memo) = skel  # fmt: skip
+         self._cand_memo, self._trans_memos) = skel  # fmt: skip
         self.pure = [not (tt.has_fwd_comm or tt.has_bwd_comm) for tt in self.times]
         self._heuristic_tables()
 
@@ -194,9 +194,11 @@ class SegmentSearch:
         alive_memo: dict[tuple[int, int, int], bool] = {}
         cover_memo: dict[int, int] = {}
         cand_memo: dict[int, list[int]] = {}
+        # per protected mask, the successors of an expanded (live, tokens, ever) (_search1)
+        trans_memos: dict[int, dict[tuple[int, int, int], list[tuple]]] = {}
         return (self.bits, self.tok_bits, pre, post, toks, key, defines, prop_of, tok_of, start_mask, start_toks,
                 protected_mask, consumers, free, reach, list(nodes), node_bit, all_nodes, prop_cover, alive_memo,
-                cover_memo, cand_memo)  # fmt: skip
+                cover_memo, cand_memo, trans_memos)  # fmt: skip
 
     # -- bits ------------------------------------------------------------------------------------
     def _bit(self, p: Prop) -> int:
@@ -476,6 +478,7 @@ class SegmentSearch:
         next_report = t0 + 2.0
         deadline = self.deadline
         cand_memo = self._cand_memo
+        trans = self._trans_memos.setdefault(protected, {})
         progress = self.progress
         while heap:
             score, idx = heappop(heap)
@@ -488,19 +491,32 @@ class SegmentSearch:
                 stats.seconds += time.perf_counter() - t0
                 raise OutOfTime
             live, tokens, ever, closed, fo, bo, lp, _, _ = nodes[idx]
-            ordered = cand_memo.get(live)
-            if ordered is None:
-                cand = set(self.free)
-                m = live
-                while m:
-                    low = m & -m
-                    cand.update(consumers.get(low, ()))
-                    m ^= low
-                ordered = cand_memo[live] = sorted(cand)
-            for k in ordered:
-                pk = post[k]
-                if pre[k] & ~live or tok[k] & tokens or not (pk & ~ever):
-                    continue
+            succ = trans.get((live, tokens, ever))
+            if succ is None:
+                # the triples that apply and add something alive, and the state each leaves: a pure
+                # function of (live, tokens, ever) and the structure (with its protected mask)
+                ordered = cand_memo.get(live)
+                if ordered is None:
+                    cand = set(self.free)
+                    m = live
+                    while m:
+                        low = m & -m
+                        cand.update(consumers.get(low, ()))
+                        m ^= low
+                    ordered = cand_memo[live] = sorted(cand)
+                succ = []
+                for k in ordered:
+                    pk = post[k]
+                    if pre[k] & ~live or tok[k] & tokens or not (pk & ~ever):
+                        continue
+                    new_ever = ever | pk
+                    new_tok = tokens | tok[k]
+                    new_live = drop_dead(live | pk, new_ever, new_tok)
+                    if not (new_live & pk & ~live):
+                        continue  # everything it adds is dead on arrival: a useless triple
+                    succ.append((k, new_live, new_tok, new_ever))
+                trans[(live, tokens, ever)] = succ
+            for k, new_live, new_tok, new_ever in succ:
                 pure = pure_of[k]
                 if pure and lp >= 0 and key_of[k] < lp:
                     continue  # canonical order inside a stage
@@ -517,11 +533,6 @@ class SegmentSearch:
                     b = bcomp[k]
                 else:
                     b = bo + bcomp[k]
-                new_ever = ever | pk
-                new_tok = tokens | tok[k]
-                new_live = drop_dead(live | pk, new_ever, new_tok)
-                if not (new_live & pk & ~live):
-                    continue  # everything it adds is dead on arrival: a useless triple
                 push((new_live, new_tok, new_ever, c, f, b, key_of[k] if pure else -1, idx, k))
             if progress is not None and time.perf_counter() > next_report:
                 next_report = time.perf_counter() + 2.0

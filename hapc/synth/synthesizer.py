@@ -444,24 +444,41 @@ class SynthSpace:
         if hit is not None:
             sig, s.labels, s.refs_of = hit
             return sig
+        flat = th.__dict__.setdefault("_signature_parts", {})
+        costs = th.__dict__.setdefault("_signature_costs", {})
         refs = {DONE.ref}
+        pieces = []
         for k in s.triples:
-            t = th.triples[k]
-            refs |= {p.ref for p in t.pre} | {p.ref for p in t.post} | {i.ref for i in t.instrs}
-            refs |= {r for _, r in t.tokens}
+            piece = flat.get(k)
+            if piece is None:
+                # what a triple adds to a signature, but for its refs' labels: refs, layouts, the
+                # instructions' other fields, its cost as an int interned per theory (equal ints,
+                # equal costs: the same partition into signatures, without hashing a cost per segment)
+                t = th.triples[k]
+                piece = flat[k] = (
+                    tuple((p.ref, p.layout) for p in t.pre),
+                    tuple((p.ref, p.layout) for p in t.post),
+                    tuple((type(i).__name__, i.ref, tuple(getattr(i, f) for f in i.__slots__ if f != "ref"))
+                          for i in t.instrs),
+                    tuple(t.tokens),
+                    costs.setdefault(t.cost, len(costs)),
+                    frozenset({p.ref for p in t.pre} | {p.ref for p in t.post} | {i.ref for i in t.instrs}
+                              | {r for _, r in t.tokens}),
+                )  # fmt: skip
+            pieces.append(piece)
+            refs |= piece[5]
         refs |= set(s.local_needed) | {r for _, r in s.local_tokens}
         lab = s.labels = _labels(self.theory.graph, s.anchors, refs)
         s.refs_of = {v: r for r, v in lab.items()}
         parts = []
-        for k in s.triples:
-            t = th.triples[k]
+        for pre, post, instrs, toks, cost, _ in pieces:
             parts.append(
                 (
-                    frozenset((lab[p.ref], p.layout) for p in t.pre),
-                    frozenset((lab[p.ref], p.layout) for p in t.post),
-                    tuple(_relabel(i, lab) for i in t.instrs),
-                    frozenset((a, lab[r]) for a, r in t.tokens),
-                    t.cost,
+                    frozenset([(lab[r], lay) for r, lay in pre]),
+                    frozenset([(lab[r], lay) for r, lay in post]),
+                    tuple([(name, lab[r]) + rest for name, r, rest in instrs]),
+                    frozenset([(a, lab[r]) for a, r in toks]),
+                    cost,
                 )
             )
         needed = frozenset((lab[x], ls) for x, ls in s.local_needed.items())
@@ -491,11 +508,6 @@ def _labels(graph, anchors: Sequence[int], refs: set[int]) -> dict[int, tuple]:
     for r in refs:
         lab.setdefault(r, ("abs", r))
     return lab
-
-
-def _relabel(ins, lab: dict[int, tuple]):
-    """An instruction with its ref replaced by a label (for signatures only)."""
-    return (type(ins).__name__, lab[ins.ref]) + tuple(getattr(ins, f) for f in ins.__slots__ if f != "ref")
 
 
 def shardable_triples(theory: Theory, m: int) -> set[int]:
@@ -668,22 +680,26 @@ class _Synth:
         head = self.upper * (1 + 1e-9) + 1e-15 - offset
         tail = self.suffix[seg.index + 1]
         cache, index, beam = self.exit_cache, seg.index, self.beam
+        not_tp, not_tt = ~tp, ~tt
+        get = nxt.get
         for (live, tokens), (cost, back) in table.items():
-            passing = live & ~tp
-            kept = tokens & ~tt
-            budget = head - cost - tail
+            passing = live & not_tp & needed
+            kept = tokens & not_tt & after
             enter, toks = live & tp, tokens & tt
             hit = cache.get((index, enter, toks))  # segment_exits' own cache, looked up here (no call)
-            if hit is not None and _covers(hit, budget, beam):
+            # _covers(hit, budget, beam), inline; the budget is computed only where it is asked
+            if hit is not None and (hit[0] == math.inf or (hit[1] >= beam if beam else head - cost - tail < hit[0])):
                 exits = hit[2]
             else:
-                exits = self.segment_exits(seg, enter, toks, budget)
+                exits = self.segment_exits(seg, enter, toks, head - cost - tail)
             for ex_live, ex_tok, c, prog in exits:
-                ns = ((ex_live | passing) & needed, (ex_tok | kept) & after)
-                if must and not all(ns[0] & m for m in must):
-                    continue  # a tensor needed later, held in no layout, made by no later segment
+                ns = ((ex_live & needed) | passing, (ex_tok & after) | kept)
+                if must:
+                    lv = ns[0]
+                    if not all(lv & m for m in must):
+                        continue  # a tensor needed later, held in no layout, made by no later segment
                 total = cost + c
-                old = nxt.get(ns)
+                old = get(ns)
                 if old is None or total < old[0] - 1e-15:
                     nxt[ns] = (total, (back, index, prog, c))
         if not nxt and table:
