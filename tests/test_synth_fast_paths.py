@@ -5,6 +5,9 @@
   ``max`` of one value is that value and ``max(0, a - b)`` of one pair is computed the same way, so
   every score, every dominance test and so every state, expansion order and program is the general
   loop's: stage costs, programs and search statistics are compared exactly, with it on and off.
+* ``search.MEMO_SUCCESSORS``: an expanded state's successors (the triples that apply and the
+  states they leave) do not depend on the times, so they are memoised in the search structure that
+  searches of one theory share: compared with and without the memo.
 * ``_Synth.block_from`` maps a repeated block's cached exits once per search and keeps its programs
   relative to the block until the result is read (:func:`synthesizer._result`): the programs of a
   model of repeated blocks are checked against the plain DP over segments (no block reuse).
@@ -27,6 +30,8 @@ from hapc.pipeline.stagecost import StageCoster, submesh_sizes
 from hapc.synth import search, synthesizer
 from hapc.synth.cost import CostModel
 from hapc.theory import derive, trace
+from hapc.theory.instructions import Compute
+from hapc.theory.props import DONE, Prop
 
 FIELDS = ("fwd", "bwd", "sync", "mem_param", "mem_act", "keep", "program_time")
 
@@ -74,6 +79,43 @@ def test_single_type_search_gives_the_same_programs_and_statistics(monkeypatch: 
     for field in ("expanded", "generated", "pruned"):
         assert getattr(a.stats, field) == getattr(b.stats, field)
     assert a.searches == b.searches and a.bounds == b.bounds
+
+
+@pytest.mark.parametrize("cluster", ["hap-testbed:8", "harp-setting2"])
+def test_memoised_successors_give_the_same_programs_and_statistics(monkeypatch: pytest.MonkeyPatch, cluster: str):
+    """``search.MEMO_SUCCESSORS``: each expanded state's successors are a function of the search's
+    structure alone, shared by every search of that structure; with and without the memo, one
+    device type (the float loop) and two (the general loop), every kind of a pipeline (the memo
+    shared across their times) and an SPMD synthesis give the same programs and statistics."""
+    results = {}
+    for flag in (True, False):
+        monkeypatch.setattr(search, "MEMO_SUCCESSORS", flag)
+        theory = _theory()
+        model = CostModel(Cluster.load(cluster))
+        space = synthesizer.SynthSpace(theory, model.m, "node")
+        spmd = synthesizer.synthesize_program(space, model, model.even_ratios())
+        results[flag] = (_stage_costs(theory, cluster), spmd)
+    (fast, a), (plain, b) = results[True], results[False]
+    for kind in fast:
+        for f in FIELDS:
+            assert np.array_equal(fast[kind][f], plain[kind][f]), (kind, f)
+    assert a.parts == b.parts and a.cost == b.cost and a.bounds == b.bounds
+    for field in ("expanded", "generated", "pruned"):
+        assert getattr(a.stats, field) == getattr(b.stats, field)
+
+
+def test_shardable_triples_once_per_theory_match_the_definition():
+    theory = _theory()
+    for m in (1, 2, 3, 4, 8, 16, 64):
+        want = set()
+        for k, t in enumerate(theory.triples):
+            props = list(t.pre) + list(t.post)
+            for ins in t.instrs:
+                if isinstance(ins, Compute):
+                    props += [Prop(o, lay) for o, lay in zip(theory.graph[ins.ref].operands, ins.inputs)]
+            if all(not p.layout.is_sharded or theory.atoms(p.ref, p.layout.dim) >= m for p in props if p != DONE):
+                want.add(k)
+        assert synthesizer.shardable_triples(theory, m) == want
 
 
 def test_repeated_blocks_map_back_to_the_plain_dps_program():

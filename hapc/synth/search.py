@@ -52,6 +52,9 @@ SHARE_STRUCTURE = True
 #: one device type (a homogeneous sub-mesh): search with floats, not 1-tuples (:meth:`SegmentSearch._search1`;
 #: the same floats, states and programs); False: the general loop for every type count
 SINGLE_TYPE = True
+#: memoise each expanded state's successors in the shared search structure (:meth:`SegmentSearch._successors`;
+#: exact: they do not depend on the times); False: computed at every expansion
+MEMO_SUCCESSORS = True
 
 
 @dataclass
@@ -301,6 +304,43 @@ class SegmentSearch:
         return live
 
     # -- the loop ---------------------------------------------------------------------------------
+    def _successors(self, trans: dict | None, live: int, tokens: int, ever: int) -> list[tuple[int, int, int, int]]:
+        """The triples that apply to a state and add something that stays alive, in candidate
+        order, each with the state it leaves: ``(k, live', tokens', ever')``. A pure function of
+        ``(live, tokens, ever)``, the structure and the protected mask (not of the times), so it is
+        memoised in ``trans`` (the structure's, per protected mask; :data:`MEMO_SUCCESSORS`) and
+        shared by every search of that structure -- the sub-mesh kinds of a pipeline search the same
+        segments under other times. The caller applies the canonical-order test (it depends on the
+        state's last pure triple) and prices each successor."""
+        if trans is not None:
+            hit = trans.get((live, tokens, ever))
+            if hit is not None:
+                return hit
+        ordered = self._cand_memo.get(live)
+        if ordered is None:
+            cand = set(self.free)
+            m = live
+            while m:
+                low = m & -m
+                cand.update(self.consumers.get(low, ()))
+                m ^= low
+            ordered = self._cand_memo[live] = sorted(cand)
+        pre, post, tok = self.pre, self.post, self.tok
+        succ = []
+        for k in ordered:
+            pk = post[k]
+            if pre[k] & ~live or tok[k] & tokens or not (pk & ~ever):
+                continue
+            new_ever = ever | pk
+            new_tok = tokens | tok[k]
+            new_live = self._drop_dead(live | pk, new_ever, new_tok)
+            if not (new_live & pk & ~live):
+                continue  # everything it adds is dead on arrival: a useless triple
+            succ.append((k, new_live, new_tok, new_ever))
+        if trans is not None:
+            trans[(live, tokens, ever)] = succ
+        return succ
+
     def _search(self, on_state: Callable[[int, tuple], None], done: Callable[[float], bool]) -> list[tuple]:
         """Best-first over partial programs; ``on_state`` sees every kept state, ``done(score)``
         says when the smallest open score can no longer matter."""
@@ -348,7 +388,7 @@ class SegmentSearch:
         push((start, self.start_tokens, self.start, 0.0, zero, zero, -1, -1, -1))
         next_report = t0 + 2.0
         deadline = self.deadline
-        cand_memo = self._cand_memo
+        trans = self._trans_memos.setdefault(self.protected, {}) if MEMO_SUCCESSORS else None
         while heap:
             score, idx = heapq.heappop(heap)
             if done(score):
@@ -360,18 +400,7 @@ class SegmentSearch:
                 self.stats.seconds += time.perf_counter() - t0
                 raise OutOfTime
             live, tokens, ever, closed, fo, bo, lp, _, _ = nodes[idx]
-            ordered = cand_memo.get(live)
-            if ordered is None:
-                cand = set(self.free)
-                m = live
-                while m:
-                    low = m & -m
-                    cand.update(self.consumers.get(low, ()))
-                    m ^= low
-                ordered = cand_memo[live] = sorted(cand)
-            for k in ordered:
-                if self.pre[k] & ~live or self.tok[k] & tokens or not (self.post[k] & ~ever):
-                    continue
+            for k, new_live, new_tok, new_ever in self._successors(trans, live, tokens, ever):
                 pure = self.pure[k]
                 if pure and lp >= 0 and self.key[k] < lp:
                     continue  # canonical order inside a stage
@@ -387,11 +416,6 @@ class SegmentSearch:
                     b = tt.bwd_comp
                 else:
                     b = tuple(x + y for x, y in zip(b, tt.bwd_comp))
-                new_ever = ever | self.post[k]
-                new_tok = tokens | self.tok[k]
-                new_live = self._drop_dead(live | self.post[k], new_ever, new_tok)
-                if not (new_live & self.post[k] & ~live):
-                    continue  # everything it adds is dead on arrival: a useless triple
                 push((new_live, new_tok, new_ever, c, f, b, self.key[k] if pure else -1, idx, k))
             if self.progress is not None and time.perf_counter() > next_report:
                 next_report = time.perf_counter() + 2.0
@@ -416,31 +440,13 @@ class SegmentSearch:
         remaining = self._remaining
         heappush, heappop = heapq.heappush, heapq.heappop
         protected = self.protected
-        alive_memo, reach, consumers = self._alive_memo, self._reach, self.consumers
-        pre, post, tok, key_of, pure_of = self.pre, self.post, self.tok, self.key, self.pure
+        key_of, pure_of = self.key, self.pure
         times = self.times
         grad = [tt.grad for tt in times]
         fcomm = [tt.fwd_comm if tt.has_fwd_comm else None for tt in times]
         bcomm = [tt.bwd_comm if tt.has_bwd_comm else None for tt in times]
         fcomp = [tt.fwd_comp[0] for tt in times]
         bcomp = [tt.bwd_comp[0] for tt in times]
-
-        def drop_dead(live: int, ever: int, used: int) -> int:
-            # _drop_dead, with its memo and tables at hand
-            m = live & ~protected
-            while m:
-                low = m & -m
-                m ^= low
-                rp, rt = reach.get(low, (0, 0))
-                key = (low, ever & rp, used & rt)
-                alive = alive_memo.get(key)
-                if alive is None:
-                    alive = alive_memo[key] = any(
-                        (post[c] & ~ever) and not (tok[c] & used) for c in consumers.get(low, ())
-                    )
-                if not alive:
-                    live &= ~low
-            return live
 
         def push(rec: tuple) -> None:
             live, tokens, _, closed, fo, bo, lp, _, _ = rec
@@ -473,12 +479,11 @@ class SegmentSearch:
             stats.generated += 1
             on_state(idx, rec)
 
-        start = drop_dead(self.start, self.start, self.start_tokens)
+        start = self._drop_dead(self.start, self.start, self.start_tokens)
         push((start, self.start_tokens, self.start, 0.0, 0.0, 0.0, -1, -1, -1))
         next_report = t0 + 2.0
         deadline = self.deadline
-        cand_memo = self._cand_memo
-        trans = self._trans_memos.setdefault(protected, {})
+        trans = self._trans_memos.setdefault(protected, {}) if MEMO_SUCCESSORS else None
         progress = self.progress
         while heap:
             score, idx = heappop(heap)
@@ -491,31 +496,9 @@ class SegmentSearch:
                 stats.seconds += time.perf_counter() - t0
                 raise OutOfTime
             live, tokens, ever, closed, fo, bo, lp, _, _ = nodes[idx]
-            succ = trans.get((live, tokens, ever))
+            succ = trans.get((live, tokens, ever)) if trans is not None else None
             if succ is None:
-                # the triples that apply and add something alive, and the state each leaves: a pure
-                # function of (live, tokens, ever) and the structure (with its protected mask)
-                ordered = cand_memo.get(live)
-                if ordered is None:
-                    cand = set(self.free)
-                    m = live
-                    while m:
-                        low = m & -m
-                        cand.update(consumers.get(low, ()))
-                        m ^= low
-                    ordered = cand_memo[live] = sorted(cand)
-                succ = []
-                for k in ordered:
-                    pk = post[k]
-                    if pre[k] & ~live or tok[k] & tokens or not (pk & ~ever):
-                        continue
-                    new_ever = ever | pk
-                    new_tok = tokens | tok[k]
-                    new_live = drop_dead(live | pk, new_ever, new_tok)
-                    if not (new_live & pk & ~live):
-                        continue  # everything it adds is dead on arrival: a useless triple
-                    succ.append((k, new_live, new_tok, new_ever))
-                trans[(live, tokens, ever)] = succ
+                succ = self._successors(trans, live, tokens, ever)
             for k, new_live, new_tok, new_ever in succ:
                 pure = pure_of[k]
                 if pure and lp >= 0 and key_of[k] < lp:

@@ -511,17 +511,23 @@ def _labels(graph, anchors: Sequence[int], refs: set[int]) -> dict[int, tuple]:
 
 
 def shardable_triples(theory: Theory, m: int) -> set[int]:
-    """Triples whose sharded dims are big enough for every one of ``m`` devices to hold a slice."""
-    ok = set()
-    for k, t in enumerate(theory.triples):
-        props = list(t.pre) + list(t.post)
-        for ins in t.instrs:
-            if isinstance(ins, Compute):
-                node = theory.graph[ins.ref]
-                props += [Prop(o, lay) for o, lay in zip(node.operands, ins.inputs)]
-        if all(not p.layout.is_sharded or theory.atoms(p.ref, p.layout.dim) >= m for p in props if p != DONE):
-            ok.add(k)
-    return ok
+    """Triples whose sharded dims are big enough for every one of ``m`` devices to hold a slice:
+    those whose smallest sharded extent (over their pre- and postconditions and their computes'
+    operands; ``inf`` with none sharded) is at least ``m``. The extents are found once per theory
+    (a pipeline's stages and a segmented plan's segments ask for several ``m``)."""
+    least = theory.__dict__.get("_least_sharded_extent")
+    if least is None:
+        least = []
+        for t in theory.triples:
+            props = list(t.pre) + list(t.post)
+            for ins in t.instrs:
+                if isinstance(ins, Compute):
+                    node = theory.graph[ins.ref]
+                    props += [Prop(o, lay) for o, lay in zip(node.operands, ins.inputs)]
+            sizes = [theory.atoms(p.ref, p.layout.dim) for p in props if p != DONE and p.layout.is_sharded]
+            least.append(min(sizes, default=math.inf))
+        theory.__dict__["_least_sharded_extent"] = least
+    return {k for k, a in enumerate(least) if a >= m}
 
 
 class _Synth:
