@@ -338,21 +338,22 @@ class SynthSpace:
         tok_uses: dict[tuple, set[int]] = defaultdict(set)
         first: dict[int, int] = {}
         refs_of: list[set[int]] = []
+        pieces = _triple_pieces(th)
         for s in self.segments:
+            si = s.index
             refs = set(s.anchors)
             for a in s.anchors:
-                first.setdefault(a, s.index)
+                first.setdefault(a, si)
             for k in s.triples:
-                t = th.triples[k]
-                for p in t.pre:
-                    uses[p.ref][s.index].add(p.layout)
-                    first[p.ref] = min(first.get(p.ref, s.index), s.index)
-                for p in t.post:
-                    first[p.ref] = min(first.get(p.ref, s.index), s.index)
-                refs |= {p.ref for p in t.pre} | {p.ref for p in t.post}
-                for tok in t.tokens:
-                    if tok[0] in ("comm", "src"):
-                        tok_uses[tok].add(s.index)
+                pre, post, touched, _, toks, _ = pieces(k)
+                for r, lay in pre:
+                    uses[r][si].add(lay)
+                    first.setdefault(r, si)  # (segments in order: the first seen is the least)
+                for r in post:
+                    first.setdefault(r, si)
+                refs |= touched
+                for tok in toks:
+                    tok_uses[tok].add(si)
             refs_of.append(refs)
             s.needed_after, s.tokens_after = {}, frozenset()
         for x, by_seg in uses.items():
@@ -396,17 +397,17 @@ class SynthSpace:
                     by_ref[x] |= bits.p(Prop(x, lay))
             for tok in s.tokens_after:
                 tok_by_ref[tok[1]] |= bits.t(tok)
+        pieces = _triple_pieces(self.theory)
         made_last: dict[int, int] = {}  # tensor -> last segment with a triple producing it
         for seg in self.segments:
             for k in seg.triples:
-                if isinstance(self.theory.triples[k].instrs[-1], Collective):
-                    continue  # a collective needs the tensor already
-                for p in self.theory.triples[k].post:
-                    made_last[p.ref] = seg.index
+                for r in pieces(k)[5]:  # (none for a collective: it needs the tensor already)
+                    made_last[r] = seg.index
         masks = []
         for seg in self.segments:
-            refs = {p.ref for k in seg.triples for p in self.theory.triples[k].pre} | set(seg.anchors)
-            refs |= {r for k in seg.triples for _, r in self.theory.triples[k].tokens}
+            refs = set(seg.anchors)
+            for k in seg.triples:
+                refs |= pieces(k)[3]
             touched = ttoks = 0
             for r in refs:
                 touched |= by_ref.get(r, 0)
@@ -487,6 +488,35 @@ class SynthSpace:
         sig = interned.setdefault(structure, len(interned))
         memo[key] = (sig, s.labels, s.refs_of)
         return sig
+
+
+def _triple_pieces(theory: Theory):
+    """``pieces(k)``: what :meth:`SynthSpace._needs` and :meth:`SynthSpace.state_bits` read of triple
+    ``k``, found once per theory (the spaces of a pipeline's sub-mesh sizes share the triples):
+    ``(pre as (ref, layout) pairs in the precondition's order, post refs in the postcondition's order,
+    refs of pre and post, refs of pre and tokens, its "comm"/"src" tokens, the refs it makes unless
+    it is a collective)``."""
+    memo = theory.__dict__.get("_space_pieces")
+    if memo is None:
+        memo = theory.__dict__["_space_pieces"] = {}
+    triples = theory.triples
+
+    def pieces(k: int) -> tuple:
+        hit = memo.get(k)
+        if hit is None:
+            t = triples[k]
+            pre_refs = frozenset(p.ref for p in t.pre)
+            hit = memo[k] = (
+                tuple((p.ref, p.layout) for p in t.pre),
+                tuple(p.ref for p in t.post),
+                pre_refs | frozenset(p.ref for p in t.post),
+                pre_refs | frozenset(r for _, r in t.tokens),
+                tuple(tok for tok in t.tokens if tok[0] in ("comm", "src")),
+                () if isinstance(t.instrs[-1], Collective) else tuple(p.ref for p in t.post),
+            )
+        return hit
+
+    return pieces
 
 
 def _labels(graph, anchors: Sequence[int], refs: set[int]) -> dict[int, tuple]:
