@@ -482,7 +482,7 @@ class SegmentSearch:
         start = self._drop_dead(self.start, self.start, self.start_tokens)
         push((start, self.start_tokens, self.start, 0.0, 0.0, 0.0, -1, -1, -1))
         next_report = t0 + 2.0
-        deadline = self.deadline
+        deadline, monotonic = self.deadline, time.monotonic
         trans = self._trans_memos.setdefault(protected, {}) if MEMO_SUCCESSORS else None
         progress = self.progress
         while heap:
@@ -492,7 +492,7 @@ class SegmentSearch:
             if idx in dead:
                 continue
             stats.expanded += 1
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline is not None and monotonic() > deadline:
                 stats.seconds += time.perf_counter() - t0
                 raise OutOfTime
             live, tokens, ever, closed, fo, bo, lp, _, _ = nodes[idx]
