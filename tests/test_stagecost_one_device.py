@@ -115,3 +115,25 @@ def test_stage_costs_keep_the_incumbent_under_a_time_limit(monkeypatch):
     with searches_until(time.monotonic() + 600):
         StageCoster(theory, layers, cl).layer_costs("v100", 2)
     assert asked == [False, True]
+
+
+@pytest.mark.parametrize("alias", ["gpt", "bert", "mlp", "cnn", "moe"])
+def test_a_one_device_synthesis_searches_the_replicated_program_alone(alias, monkeypatch):
+    """``hapc.synthesize`` on one device searches the all-replicated triples alone (exact: the same
+    predicted time as the search over every triple, which is what a pipeline stage on one device
+    and ``--cluster local-cpu:1`` plan)."""
+    import hapc.planner as planner
+
+    model, inputs = models.load(alias, batch=4)
+    theory = derive(trace(model, inputs), **OPTIONS)
+    one = Cluster.from_dict(
+        {"name": "one", "group": [{"name": "d", "devices": 1, "devices_per_host": 1, "flops": "10 TFLOPS",
+                                   "memory": "8 GiB", "mem_bandwidth": "500 GB/s", "op_overhead": "4 us"}],
+         "links": {"intra_host": {"bandwidth": "10 GB/s", "latency": "10 us"}}}
+    )  # fmt: skip
+    fast = planner.synthesize_theory(theory, one)
+    monkeypatch.setattr(planner, "replicated_triples", lambda th: set(range(len(th.triples))))
+    searched = planner.synthesize_theory(theory, one)
+    assert fast.time == pytest.approx(searched.time, rel=1e-12)
+    assert fast.predicted["memory"] == pytest.approx(searched.predicted["memory"], rel=1e-12)
+    assert not any(i.layout.is_sharded for i in fast.instructions if type(i).__name__ == "Source")
