@@ -49,9 +49,9 @@ def _two_groups(between: str = "100 MB/s") -> Cluster:
     )
 
 
-def _gpt2() -> tuple[nn.Module, dict]:
+def _gpt2(name: str = "gpt2") -> tuple[nn.Module, dict]:
     torch.manual_seed(0)
-    model, batch = realworld.gpt2(batch=8)
+    model, batch = getattr(realworld, name)(batch=8)
     return model.double(), batch
 
 
@@ -67,9 +67,9 @@ def test_the_planner_pipelines_a_keyword_model_that_needs_the_loss_alone():
     assert loss.kind == "pipeline" and loss.time < whole.time
 
 
-def _gpt2_job(rank, world):
+def _gpt2_job(rank, world, name):
     torch.set_num_threads(1)
-    model, batch = _gpt2()
+    model, batch = _gpt2(name)
     module = hapc.compile(model, _two_groups(), batch, outputs="loss", num_micro=4)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
     out = module(**batch)  # DDP's habit: the model's own call, by keyword
@@ -94,13 +94,14 @@ def _gpt2_job(rank, world):
     }
 
 
-def test_a_hugging_face_language_model_pipelines_exactly():
-    """GPT-2 (tiny; its output layer tied to the token embedding, in the first and the last stage),
-    called by keyword, pipelined on two ranks: the loss, the gradient norm (the tied weight counted
-    once), every gradient and the state after two steps equal one device's (float64)."""
-    results = run_distributed(_gpt2_job, 2, timeout=300)
-    model, batch = _gpt2()
-    assert model.lm_head.weight is model.transformer.wte.weight
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("albert", marks=pytest.mark.slow)])
+def test_a_hugging_face_language_model_pipelines_exactly(name):
+    """GPT-2 (tiny; its output layer tied to the token embedding, in the first and the last stage)
+    and ALBERT (masked LM; one layer's weights shared by every layer, so by both stages), called by
+    keyword, pipelined on two ranks: the loss, the gradient norm (shared weights counted once),
+    every gradient and the state after two steps equal one device's (float64)."""
+    results = run_distributed(_gpt2_job, 2, name, timeout=300)
+    model, batch = _gpt2(name)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     want = []
     for step in range(2):
