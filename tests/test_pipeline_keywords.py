@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import hapc
+from hapc import models
 from hapc.cluster import Cluster
 from hapc.pipeline.runtime import PipelineModule, PipelineSpec, micro_batches
 from hapc.pipeline.stages import balanced_cuts
@@ -182,13 +183,20 @@ def _tied_job(rank, world, weights, ranks, flops, warmups, num_micro, replicas, 
         optimizer.step()
     mod = pm.module
     sharded = sorted(mod.theory.graph[ref].target for ref, lay in mod._layouts.values() if lay.is_sharded)
-    return {"losses": losses, "norms": norms, "state": pm.full_state_dict(), "sharded": sharded, "stage": pm.stage}
+    state = pm.full_state_dict()
+    optimizer.zero_grad()  # gradient accumulation: two steps' gradients add up, the tied ones too
+    pm.train_step(*inputs)
+    pm.train_step(*(x.flip(0) for x in inputs))
+    return {"losses": losses, "norms": norms, "state": state, "sharded": sharded, "stage": pm.stage,
+            "accumulated": pm.full_gradients()}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(TIED))
 def test_tied_weights_across_stages_train_as_one_device(case):
     """One weight used by the first and the last stage: its copies' gradients are summed and both
-    copies step alike, the gradient norm counts it once (clipping active), Adam for three steps."""
+    copies step alike, the gradient norm counts it once (clipping active), Adam for three steps;
+    then two steps accumulate their gradients (no ``zero_grad`` between) as one device's two
+    backwards do -- each step sums this step's contributions alone across stages and replicas."""
     ranks, replicas = TIED[case][1], TIED[case][5]
     world = sum(len(rs) for rep in (replicas or [ranks]) for rs in rep)
     results = run_distributed(_tied_job, world, *TIED[case], timeout=300)
@@ -204,7 +212,13 @@ def test_tied_weights_across_stages_train_as_one_device(case):
         optimizer.step()
     assert min(norms) > 0.5
     state = model.state_dict()
+    optimizer.zero_grad()
+    model(*inputs).backward()
+    model(*(x.flip(0) for x in inputs)).backward()
     for got in results:
+        for k, p in model.named_parameters():
+            what = f"{case}: accumulated {k}"
+            torch.testing.assert_close(got["accumulated"][k], p.grad, rtol=1e-9, atol=1e-12, msg=what)
         assert got["losses"] == pytest.approx(losses, rel=1e-10) and got["norms"] == pytest.approx(norms, rel=1e-10)
         assert set(got["state"]) == set(state)
         for k, v in state.items():
@@ -297,3 +311,31 @@ def test_synth_pipelines_a_keyword_model_under_outputs_loss(capsys, tmp_path, mo
     assert "outputs='loss'" in " ".join(out.split()) and "pipelined on" not in out
     assert main([*args, "--outputs", "loss"]) == 0
     assert "pipelined on" in capsys.readouterr().out
+
+
+def _replicas_accumulate(rank, world):
+    torch.set_num_threads(1)
+    model, (idx, targets) = models.load("gpt", batch=8, dtype=torch.float64)
+    graph = trace(model, micro_batches((idx, targets), 4, 8)[0])
+    spec = PipelineSpec(
+        cuts=balanced_cuts(graph, [1, 1]), ranks=[[0], [1]], clusters=[cluster_of([1e10])] * 2, warmups=[2, 1],
+        num_micro=4, replicas=[[[0], [1]], [[2], [3]]],
+    )  # fmt: skip
+    pm = PipelineModule(model, (idx, targets), spec)
+    pm.train_step(idx, targets)
+    loss = pm(idx.flip(0), targets.flip(0))  # DDP's call, accumulating onto the first step's gradients
+    loss.backward()
+    return pm.full_gradients()
+
+
+def test_gradients_accumulate_over_steps_of_pipeline_replicas():
+    """Two data-parallel replicas of a 2-stage GPT (no tied weights): two steps without
+    ``zero_grad`` between hold the sum of one device's two backwards. (Summing the replicas' whole
+    gradients after the second step counted the first step's twice: 0.046 off, silently.)"""
+    results = run_distributed(_replicas_accumulate, 4, timeout=300)
+    model, (idx, targets) = models.load("gpt", batch=8, dtype=torch.float64)
+    model(idx, targets).backward()
+    model(idx.flip(0), targets.flip(0)).backward()
+    for got in results:
+        for k, p in model.named_parameters():
+            torch.testing.assert_close(got[k], p.grad, rtol=1e-9, atol=1e-12, msg=k)

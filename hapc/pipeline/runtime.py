@@ -398,6 +398,7 @@ class PipelineModule(nn.Module):
         end of their range (a forward left without its backward is dropped first)."""
         if self._pending is not None:
             self._drop(self._pending)
+        self._hold_gradients()
         batches = [dict(zip(self.input_names, b)) for b in micro_batches(inputs, self.num_micro, self.batch)]
         weights = self._micro_weights(batches)  # in the global batch loss
         lo, hi = self.replica * self.replica_micro, (self.replica + 1) * self.replica_micro
@@ -415,6 +416,7 @@ class PipelineModule(nn.Module):
             self._sum_tied()
         if self.num_replicas > 1:
             self._sum_replicas()
+        self._release_gradients()
         self.compute_seconds = step.compute
         targets = self.module._targets()
         mark_stage_grads(self.module, [self.module._tensor(targets[k]) for k in self._counted_elsewhere])
@@ -429,8 +431,36 @@ class PipelineModule(nn.Module):
         self._pool.extend(step.raw.values())
         step.raw.clear()
         step.dropped = True
+        self._release_gradients()
         if self._pending is step:
             self._pending = None
+
+    def _hold_gradients(self) -> None:
+        """Before a step: the gradients summed across stages (tied weights) or replicas after it are
+        set aside, so that those sums add this step's contributions alone; :meth:`_release_gradients`
+        adds them back after. Accumulating over steps (no ``zero_grad`` between) then gives the
+        single-device sum, where summing the held gradients again would count them once per copy.
+        Copies (a held gradient may be a view of a bucket the next backward overwrites)."""
+        self._held: list[tuple[nn.Parameter, torch.Tensor]] = []
+        if self.num_replicas > 1:
+            params = list(self.module.parameters())
+        elif self._tied:
+            targets = self.module._targets()
+            params = [self.module._tensor(targets[key]) for names, _ in self._tied for key in names]
+        else:
+            return
+        for p in params:
+            if p.grad is not None:
+                self._held.append((p, p.grad.detach().clone()))
+                p.grad = None
+
+    def _release_gradients(self) -> None:
+        """The gradients :meth:`_hold_gradients` set aside, added back (after the step's sums)."""
+        for p, g in self.__dict__.pop("_held", []):
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
 
     def _backward(self, step: _Step, scale: float) -> None:
         """The backwards of a :meth:`forward`'s micro-batches, the last stage seeded by ``scale``."""
