@@ -12,8 +12,9 @@
   relative to the block until the result is read (:func:`synthesizer._result`): the programs of a
   model of repeated blocks are checked against the plain DP over segments (no block reuse).
 * :class:`~hapc.pipeline.dp.PipelineDP` builds its candidate index for every first layer at once
-  and runs each ``t_max`` over one flat array: its index and its solutions are compared with a
-  layer-at-a-time reference built here from the same formulas (``_reference_rows``).
+  and runs each ``t_max`` over one flat array: its index and its runs are compared with a
+  layer-at-a-time reference built here from the same formulas (``_reference_rows``), and its trace
+  of a run's optimum (which re-reads that run's rows) with the trace from the index alone.
 """
 
 from __future__ import annotations
@@ -239,5 +240,8 @@ def test_dp_index_and_runs_match_the_layer_at_a_time_form(recompute: str, memory
     cands = dp.candidates()
     for tau in cands[:: max(1, len(cands) // 25)]:
         got = dp.run(float(tau))
+        if np.isfinite(got[0, 0, dp.Kr + 1]):
+            # the trace reads the last run's rows; a copy of G is traced from the index alone
+            assert dp.trace(got, float(tau)) == dp.trace(got.copy(), float(tau))
         assert np.array_equal(got, _reference_run(dp, float(tau)))
     assert dp.solve() is not None

@@ -298,6 +298,7 @@ class PipelineDP:
         # indexes them with one call each, not one per layer (:meth:`run`); per layer, views of it
         self._flat = flat
         bounds = np.searchsorted(flat["layer"], np.arange(L + 1), side="left")
+        self._layer_starts = bounds.tolist()  # each layer's first row in the flat index
         self.index: list[dict[str, np.ndarray]] = [
             {k: v[bounds[i] : bounds[i + 1]] for k, v in flat.items()} for i in range(L)
         ]
@@ -390,6 +391,7 @@ class PipelineDP:
         gbounds = np.searchsorted(starts, bounds, side="left")
         flatG = G.ravel()
         width = Kr + 2
+        self._last_run = (G, rows, idx, step, p, bounds)  # what trace() re-reads of this run
         for i in range(L - 1, -1, -1):
             lo, hi = bounds[i], bounds[i + 1]
             if lo == hi:
@@ -437,16 +439,28 @@ class PipelineDP:
         return 1 + (links - nb) * dmax["inner"] + nb * max(dmax["inner"], dmax["between"])
 
     def trace(self, G: np.ndarray, tau: float) -> list[StageChoice]:
-        """The stages of the optimum in ``G`` (re-derived transition by transition)."""
+        """The stages of the optimum in ``G`` (re-derived transition by transition). Where ``G`` is
+        the last :meth:`run`'s, each layer's usable rows and the slots they read are that run's (the
+        same rows in the same order, the same floats: the same first least row), not found again."""
         i, p, b = 0, 0, self.Kr
         out = []
+        last = getattr(self, "_last_run", None)
+        mine = last is not None and last[0] is G
+        flatG = G.ravel()
         while i < self.L:
             a = self.index[i]
-            rows = np.flatnonzero((a["tc_max"] <= tau) & (a["p"] == p))
-            bs = np.arange(self.Kr + 1)
-            vals = self._values(a, rows, tau, G, bs)[:, b]
-            k = int(np.argmin(vals))
-            r = rows[k]
+            if mine:
+                _, frows, fidx, fstep, fp, bounds = last
+                lo, hi = bounds[i], bounds[i + 1]
+                sel = lo + np.flatnonzero(fp[lo:hi] == p)
+                vals = flatG[fidx[sel, b]] + fstep[sel, 0]
+                r = int(frows[sel[int(np.argmin(vals))]]) - self._layer_starts[i]
+            else:
+                rows = np.flatnonzero((a["tc_max"] <= tau) & (a["p"] == p))
+                bs = np.arange(self.Kr + 1)
+                vals = self._values(a, rows, tau, G, bs)[:, b]
+                k = int(np.argmin(vals))
+                r = rows[k]
             d = int(delta(a["c"][r], tau, self.eps))
             nmax = a["nmax"][r]
             bound = min(b, int(nmax) if math.isfinite(nmax) and nmax < self.Kr else self.Kr)

@@ -391,10 +391,23 @@ class SynthSpace:
         bits.p(DONE)
         by_ref: dict[int, int] = defaultdict(int)
         tok_by_ref: dict[int, int] = defaultdict(int)
+        # the mask of a tensor's layouts, once per (tensor, layouts): the first loop numbers the
+        # properties in the order it meets them (a repeat numbers nothing new), the later loops
+        # only read numbers already given
+        layout_masks: dict[tuple, int] = {}
+
+        def mask(x: int, ls: frozenset) -> int:
+            m = layout_masks.get((x, ls))
+            if m is None:
+                m = 0
+                for lay in ls:
+                    m |= bits.p(Prop(x, lay))
+                layout_masks[(x, ls)] = m
+            return m
+
         for s in self.segments:
             for x, ls in s.needed_after.items():
-                for lay in ls:
-                    by_ref[x] |= bits.p(Prop(x, lay))
+                by_ref[x] |= mask(x, ls)
             for tok in s.tokens_after:
                 tok_by_ref[tok[1]] |= bits.t(tok)
         pieces = _triple_pieces(self.theory)
@@ -414,18 +427,14 @@ class SynthSpace:
                 ttoks |= tok_by_ref.get(r, 0)
             needed = bits.p(DONE)
             for x, ls in seg.needed_after.items():
-                for lay in ls:
-                    needed |= bits.p(Prop(x, lay))
+                needed |= mask(x, ls)
             after = 0
             for tok in seg.tokens_after:
                 after |= bits.t(tok)
             must = []
             for x, ls in seg.needed_after.items():
                 if made_last.get(x, -1) <= seg.index:
-                    m = 0
-                    for lay in ls:
-                        m |= bits.p(Prop(x, lay))
-                    must.append(m)
+                    must.append(mask(x, ls))
             masks.append(_SegMasks(touched, ttoks, needed, after, tuple(must)))
         self._state_bits = (bits, masks)
         return self._state_bits
