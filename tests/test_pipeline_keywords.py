@@ -339,3 +339,24 @@ def test_gradients_accumulate_over_steps_of_pipeline_replicas():
     for got in results:
         for k, p in model.named_parameters():
             torch.testing.assert_close(got[k], p.grad, rtol=1e-9, atol=1e-12, msg=k)
+
+
+def test_the_planner_prices_the_tied_weights_all_reduce():
+    """A plan whose stages share a weight adds the all-reduce of its gradient to the step time:
+    ring all-reduce of the weight's bytes over the sharing stages' devices, on the slowest link
+    between their groups (here the 100 MB/s one); the same model untied adds nothing."""
+    from hapc.pipeline import plan_pipeline
+
+    model, inputs = _tied()
+    micro = micro_batches(inputs, 4, 8)[0]
+    plan = plan_pipeline(model, _two_groups(), micro, num_micro=4)
+    assert len(plan.stages) == 2 and {s.group for s in plan.stages} == {"fast", "slow"}
+    nbytes = 96 * 24 * 8  # emb.weight, float64
+    alpha, beta = 2 * 100e-6, 2 * 1 / (2 * 100e6)  # 2 devices over the 100 MB/s, 100 us link
+    assert plan.tied_sync == pytest.approx(alpha + beta * nbytes, rel=1e-12)
+    assert "tied across stages" in plan.describe()
+    untied = _Tied().double()
+    untied.head.weight = nn.Parameter(untied.emb.weight.detach().clone())
+    other = plan_pipeline(untied, _two_groups(), micro, num_micro=4)
+    assert other.tied_sync == 0.0 and other.cuts() == plan.cuts()
+    assert plan.time - plan.tied_sync == pytest.approx(other.time, rel=1e-9)

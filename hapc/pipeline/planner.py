@@ -50,6 +50,7 @@ from .dp import RECOMPUTE, CostTable, GroupSpec, Links, Option, PipelineDP, step
 from .layers import Layer, build_layers
 from .schedule import HARP_EPSILON
 from .stagecost import StageCoster, submesh_sizes
+from .tied import tied_sync_seconds
 
 #: skip a candidate whose synthesis-free bound (:func:`step_bound`) is no better than ``above``
 #: before its stage costs are synthesized (exact; False: only the bound over the synthesized costs)
@@ -123,6 +124,9 @@ class PipelinePlan:
     # micro-batches on one replica's devices (stage devices index that replica's groups)
     replicas: int = 1
     layout: str = "blocked"
+    # the all-reduce of weights tied across stages, once per step, included in ``time``
+    # (hapc.pipeline.tied: the runtime sums the stages' copies' gradients after the step)
+    tied_sync: float = 0.0
     version: int = VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -191,10 +195,15 @@ class PipelinePlan:
         con.print(tab)
         split = self.time_split()
         con.print(
-            f"t_max {self.t_max * 1e3:.3f} ms, warm-ups {self.warmups}, Eq. 12 step time {self.time:.4f} s "
-            f"(first micro-batch {split['first_compute']:.4f} s compute + {split['first_comm']:.4f} s links, "
-            f"steady {split['steady']:.4f} s), eta {self.eta * 100:.1f}%"
+            f"t_max {self.t_max * 1e3:.3f} ms, warm-ups {self.warmups}, Eq. 12 step time "
+            f"{self.time - self.tied_sync:.4f} s (first micro-batch {split['first_compute']:.4f} s compute + "
+            f"{split['first_comm']:.4f} s links, steady {split['steady']:.4f} s), eta {self.eta * 100:.1f}%"
         )
+        if self.tied_sync:
+            con.print(
+                f"weights tied across stages: their gradients' all-reduce adds {self.tied_sync:.4f} s per step "
+                f"(step time {self.time:.4f} s)"
+            )
         if self.replicas > 1:
             sync = ", ".join(f"{s.replica_sync * 1e3:.3g}" for s in self.stages)
             con.print(
@@ -571,6 +580,10 @@ def plan_pipeline(
     for s in plan.stages:
         o = next(k for k, opt in enumerate(table.options) if names[opt.group] == s.group and opt.size == len(s.devices))
         s.replica_sync = float(extra[o, s.lo : s.hi].sum())
+    # weights tied across stages: their copies' gradients are summed once per step, after the DP's
+    # Eq. 12 time (which does not see it: hapc.pipeline.tied)
+    plan.tied_sync = tied_sync_seconds(theory.graph, layers, plan.stages, cluster)
+    plan.time += plan.tied_sync
     plan.timings = {"trace+derive": t1 - t0, "layers": t2 - t1, "costing": t3 - t2, **plan.timings}
     plan.search["syntheses"] = coster.syntheses
     return plan
