@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import two_groups
 from torch import nn
 
 import hapc
 from hapc import models
-from hapc.cluster import Cluster
 from hapc.pipeline.runtime import PipelineModule, PipelineSpec, micro_batches
 from hapc.pipeline.stages import balanced_cuts
 from hapc.planner import choose_plan
@@ -29,25 +29,6 @@ from hapc.theory import trace
 
 realworld = pytest.importorskip("realworld")
 pytest.importorskip("transformers")
-
-
-def _two_groups(between: str = "100 MB/s") -> Cluster:
-    """Two one-device groups (20 and 10 TFLOP/s) across a slow link: the planner pipelines."""
-    link = {"bandwidth": "10 GB/s", "latency": "20 us"}
-    return Cluster.from_dict(
-        {
-            "name": "two-groups",
-            "group": [
-                {"name": g, "devices": 1, "devices_per_host": 1, "flops": f, "memory": "8 GiB"}
-                for g, f in (("fast", "20 TFLOPS"), ("slow", "10 TFLOPS"))
-            ],
-            "links": {
-                "intra_host": link,
-                "inter_host": link,
-                "between": [{"groups": ["fast", "slow"], "bandwidth": between, "latency": "100 us"}],
-            },
-        }
-    )
 
 
 def _gpt2(name: str = "gpt2") -> tuple[nn.Module, dict]:
@@ -60,18 +41,18 @@ def test_the_planner_pipelines_a_keyword_model_that_needs_the_loss_alone():
     """Keyword inputs no longer rule the pipeline out; the logits a pipeline cannot hand back do,
     unless the caller asks for the loss alone -- the refusal names that option."""
     model, batch = _gpt2()
-    whole = choose_plan(model, _two_groups(), batch, num_micro=4)
+    whole = choose_plan(model, two_groups(), batch, num_micro=4)
     assert whole.kind == "spmd"
     piped = whole.kinds[1]
     assert piped.status == "not applicable" and "outputs='loss'" in piped.reason, piped.reason
-    loss = choose_plan(model, _two_groups(), batch, num_micro=4, outputs="loss")
+    loss = choose_plan(model, two_groups(), batch, num_micro=4, outputs="loss")
     assert loss.kind == "pipeline" and loss.time < whole.time
 
 
 def _gpt2_job(rank, world, name):
     torch.set_num_threads(1)
     model, batch = _gpt2(name)
-    module = hapc.compile(model, _two_groups(), batch, outputs="loss", num_micro=4)
+    module = hapc.compile(model, two_groups(), batch, outputs="loss", num_micro=4)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
     out = module(**batch)  # DDP's habit: the model's own call, by keyword
     out.loss.backward()
@@ -232,7 +213,7 @@ def _explicit_job(rank, world):
     out = {}
     for given in ({"loss": 0}, {"outputs": "local"}, {"capture": "export"}):
         with pytest.raises(hapc.HapcError) as err:
-            hapc.compile(model, _two_groups(), inputs, pipeline=True, **given)
+            hapc.compile(model, two_groups(), inputs, pipeline=True, **given)
         out[next(iter(given))] = str(err.value)
     return out
 
@@ -304,7 +285,7 @@ def test_synth_pipelines_a_keyword_model_under_outputs_loss(capsys, tmp_path, mo
     (tmp_path / "hfzoo.py").write_text(
         "import realworld\n\ndef gpt2():\n    return realworld.gpt2(batch=8)\n", encoding="utf-8"
     )
-    (tmp_path / "slow.toml").write_text(_two_groups().to_toml(), encoding="utf-8")
+    (tmp_path / "slow.toml").write_text(two_groups().to_toml(), encoding="utf-8")
     args = ["synth", "hfzoo:gpt2", "--cluster", "slow.toml", "--micro", "4"]
     assert main(args) == 0
     out = capsys.readouterr().out
@@ -349,7 +330,7 @@ def test_the_planner_prices_the_tied_weights_all_reduce():
 
     model, inputs = _tied()
     micro = micro_batches(inputs, 4, 8)[0]
-    plan = plan_pipeline(model, _two_groups(), micro, num_micro=4)
+    plan = plan_pipeline(model, two_groups(), micro, num_micro=4)
     assert len(plan.stages) == 2 and {s.group for s in plan.stages} == {"fast", "slow"}
     nbytes = 96 * 24 * 8  # emb.weight, float64
     alpha, beta = 2 * 100e-6, 2 * 1 / (2 * 100e6)  # 2 devices over the 100 MB/s, 100 us link
@@ -357,6 +338,6 @@ def test_the_planner_prices_the_tied_weights_all_reduce():
     assert "tied across stages" in plan.describe()
     untied = _Tied().double()
     untied.head.weight = nn.Parameter(untied.emb.weight.detach().clone())
-    other = plan_pipeline(untied, _two_groups(), micro, num_micro=4)
+    other = plan_pipeline(untied, two_groups(), micro, num_micro=4)
     assert other.tied_sync == 0.0 and other.cuts() == plan.cuts()
     assert plan.time - plan.tied_sync == pytest.approx(other.time, rel=1e-9)
