@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import math
 import mmap
 import os
 import struct
@@ -57,12 +56,12 @@ from ..synth.synthesizer import (
     SynthResult,
     SynthSpace,
     fallback_program,
+    least_sharded_extents,
     replicated_triples,
     synthesize_program,
 )
 from ..theory.cost import PRIMITIVES, Comm
 from ..theory.instructions import Compute
-from ..theory.props import DONE, Prop
 from ..theory.triples import Theory
 from .layers import Layer
 
@@ -199,17 +198,7 @@ class StageCoster:
         """:func:`~hapc.synth.synthesizer.shardable_triples` for ``m`` devices, from one pass that
         records each triple's smallest sharded extent (a triple is allowed while ``m`` <= it)."""
         if self._atoms is None:
-            th = self.theory
-            atoms = []
-            for t in th.triples:
-                props = list(t.pre) + list(t.post)
-                for ins in t.instrs:
-                    if isinstance(ins, Compute):
-                        node = th.graph[ins.ref]
-                        props += [Prop(o, lay) for o, lay in zip(node.operands, ins.inputs)]
-                sizes = [th.atoms(p.ref, p.layout.dim) for p in props if p != DONE and p.layout.is_sharded]
-                atoms.append(min(sizes, default=math.inf))
-            self._atoms = np.array(atoms, dtype=float)
+            self._atoms = np.array(least_sharded_extents(self.theory), dtype=float)
         return frozenset(np.flatnonzero(self._atoms >= m).tolist())
 
     def _space(self, m: int) -> SynthSpace:

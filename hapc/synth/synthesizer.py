@@ -551,9 +551,14 @@ def _labels(graph, anchors: Sequence[int], refs: set[int]) -> dict[int, tuple]:
 
 def shardable_triples(theory: Theory, m: int) -> set[int]:
     """Triples whose sharded dims are big enough for every one of ``m`` devices to hold a slice:
-    those whose smallest sharded extent (over their pre- and postconditions and their computes'
-    operands; ``inf`` with none sharded) is at least ``m``. The extents are found once per theory
-    (a pipeline's stages and a segmented plan's segments ask for several ``m``)."""
+    those whose smallest sharded extent (:func:`least_sharded_extents`) is at least ``m``."""
+    return {k for k, a in enumerate(least_sharded_extents(theory)) if a >= m}
+
+
+def least_sharded_extents(theory: Theory) -> list[float]:
+    """Each triple's smallest sharded extent, over its pre- and postconditions and its computes'
+    operands (``inf`` with none sharded): found once per theory (a pipeline's stages, a segmented
+    plan's segments and the stage costs of each sub-mesh size ask for several ``m``)."""
     least = theory.__dict__.get("_least_sharded_extent")
     if least is None:
         least = []
@@ -566,7 +571,7 @@ def shardable_triples(theory: Theory, m: int) -> set[int]:
             sizes = [theory.atoms(p.ref, p.layout.dim) for p in props if p != DONE and p.layout.is_sharded]
             least.append(min(sizes, default=math.inf))
         theory.__dict__["_least_sharded_extent"] = least
-    return {k for k, a in enumerate(least) if a >= m}
+    return least
 
 
 class _Synth:
