@@ -699,13 +699,8 @@ class _Synth:
             self.searches += 1
         pos = {t: k for k, t in enumerate(rep.triples)}
         out = []
-        for (rel_exit, rel_tok_out), (c, rel_prog) in found[2].items():
-            live = 0
-            for r, lay in rel_exit:
-                live |= bits.p(Prop(ref[r], lay))
-            tk = 0
-            for a, r in rel_tok_out:
-                tk |= bits.t((a, ref[r]))
+        for rel_state, (c, rel_prog) in found[2].items():
+            live, tk = _absolute_state(bits, ref, rel_state)
             out.append((live, tk, c, [seg.triples[pos[t]] for t in rel_prog]))
         self.exit_cache[key] = (found[0], found[1], out)
         return out
@@ -856,13 +851,8 @@ class _Synth:
         mapped = self._block_exits.get((b, key))
         if mapped is None or mapped[0] is not hit:
             exits = []
-            for (rl, rt), (c, progs) in hit[1].items():
-                lv = 0
-                for r, lay in rl:
-                    lv |= bits.p(Prop(ref[r], lay))
-                tk = 0
-                for a, r in rt:
-                    tk |= bits.t((a, ref[r]))
+            for rel_state, (c, progs) in hit[1].items():
+                lv, tk = _absolute_state(bits, ref, rel_state)
                 exits.append((lv, tk, (c, (b, progs))))
             mapped = self._block_exits[(b, key)] = (hit, exits)
         p0, p1 = state[0] & ~touched & end_needed, state[1] & ~toks_touched & end_toks
@@ -1153,6 +1143,19 @@ def _result(space: SynthSpace, run: _Synth, best: tuple, bounds: list, proven: b
                 sj = block[off]
                 parts[sj], seg_costs[sj] = [space.segments[sj].triples[i] for i in p], sc
     return SynthResult(parts, total, seg_costs, run.stats, run.searches, bounds, proven, floor)
+
+
+def _absolute_state(bits: _Bits, ref: Any, rel_state: tuple) -> tuple[int, int]:
+    """A cached search's exit, ``(properties, tokens)`` over labels relative to its segment or
+    block, as this occurrence's state bits (``ref``: label -> this occurrence's node)."""
+    rel_live, rel_toks = rel_state
+    live = 0
+    for r, lay in rel_live:
+        live |= bits.p(Prop(ref[r], lay))
+    tk = 0
+    for a, r in rel_toks:
+        tk |= bits.t((a, ref[r]))
+    return live, tk
 
 
 def _prune_dominated(states: dict[tuple[int, int], tuple], bits: _Bits) -> None:
