@@ -727,7 +727,13 @@ class _Synth:
         cache, index, beam = self.exit_cache, seg.index, self.beam
         not_tp, not_tt = ~tp, ~tt
         get = nxt.get
+        deadline, countdown = self.deadline, 2048  # a table of 10^5 states takes seconds: checked within
         for (live, tokens), (cost, back) in table.items():
+            countdown -= 1
+            if not countdown:
+                countdown = 2048
+                if deadline is not None and time.monotonic() > deadline:
+                    raise _OutOfTime
             passing = live & not_tp & needed
             kept = tokens & not_tt & after
             enter, toks = live & tp, tokens & tt
@@ -783,7 +789,7 @@ class _Synth:
                 if required:
                     raise self._infeasible()
                 return None
-            _prune_dominated(table, self.bits)
+            _prune_dominated(table, self.bits, self.deadline)
         done = self.bits.p(DONE)
         finals = [(c, back) for (lv, _), (c, back) in table.items() if lv & done]
         if not finals:
@@ -1158,23 +1164,36 @@ def _absolute_state(bits: _Bits, ref: Any, rel_state: tuple) -> tuple[int, int]:
     return live, tk
 
 
-def _prune_dominated(states: dict[tuple[int, int], tuple], bits: _Bits) -> None:
+def _prune_dominated(states: dict[tuple[int, int], tuple], bits: _Bits, deadline: float | None = None) -> None:
     """Drop a state when another with the same tokens and tensors holds a superset of properties
-    at no higher cost: every continuation of the first works from the second, no slower."""
+    at no higher cost: every continuation of the first works from the second, no slower.
+
+    A strict superset holds more properties (the states of a group differ: same tokens, distinct
+    property sets), so a state is checked only against kept states of higher popcount -- where
+    every tensor is held in one layout (equal-cost layouts tie: ALBERT's shared layers left
+    12 096 such states in one group, 4.9 s pairwise) no pair is compared at all. Past
+    ``deadline`` it raises :class:`OutOfTime`, as every step of the DP does."""
     groups: dict[tuple, list[tuple[tuple[int, int], float]]] = defaultdict(list)
     for st, val in states.items():
         refs = frozenset(p.ref for p in bits.props(st[0]))
         groups[(st[1], refs)].append((st, val[0]))
+    checks = 0
     for members in groups.values():
         if len(members) < 2:
             continue
         members.sort(key=lambda x: x[1])
-        kept: list[tuple[tuple[int, int], float]] = []
+        kept: dict[int, list[tuple[int, float]]] = defaultdict(list)  # popcount -> (live, cost)
         for st, c in members:
-            if any((k[0] & st[0]) == st[0] and kc <= c for k, kc in kept):
+            live = st[0]
+            n = live.bit_count()
+            above = [k for k in kept if k > n]
+            if any((k & live) == live and kc <= c for q in above for k, kc in kept[q]):
                 del states[st]
             else:
-                kept.append((st, c))
+                kept[n].append((live, c))
+            checks += 1
+            if deadline is not None and not checks % 1024 and time.monotonic() > deadline:
+                raise _OutOfTime
 
 
 def _covers(cached: tuple, budget: float, count: int) -> bool:
