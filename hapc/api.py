@@ -159,8 +159,9 @@ def compile(
             (:func:`hapc.planner.choose_plan`; the kinds priced are in ``module.plan.predicted["kinds"]``
             or ``module.plan_kinds``); options only the SPMD runtime takes (``group``, ``device``,
             ``init``, ``leaf_modules``, ``capture``, ``loss``, ``outputs="local"``, a ``baseline`` or
-            ``ratios``; refused with ``pipeline=True``), and a model returning tensors besides its loss
-            unless ``outputs="loss"``, leave the pipeline out. A
+            ``ratios``; refused with ``pipeline=True``), and under ``outputs="whole"`` a model returning a
+            tensor besides its loss whose dim 0 is not the batch (a scalar metric: the micro-batches'
+            values would not concatenate into the batch's), leave the pipeline out. A
             pipelined result is a :class:`~hapc.pipeline.PipelineModule`, called like the model
             (positional or keyword inputs): train with
             ``loss = module.train_step(*batch)`` (forward and backward of ``num_micro`` micro-batches by
@@ -179,7 +180,7 @@ def compile(
             (``train_step``, or ``module(*batch)`` + ``backward()``; the global batch on every rank).
             Options it cannot honour (``init``, ``leaf_modules``, ``capture``, ``loss``,
             ``outputs="local"``, ``num_micro``, a ``baseline`` or single ``ratios``) are refused; it
-            is called like the model and returns its structure, other tensors ``None`` (as a pipeline).
+            is called like the model and returns its structure, other tensors as ``outputs`` says.
         recompute: a pipeline's activation recomputation: ``"auto"`` (default) -- the planner has a
             stage recompute its activations in backward where memory binds (an extra forward per
             micro-batch for fewer bytes held, :mod:`hapc.pipeline.dp`); ``"never"``; ``"always"``.
@@ -197,8 +198,11 @@ def compile(
             ``"whole"`` (default: gathered to the full tensor on every rank), ``"local"`` (this rank's
             piece as the program computed it, no communication) or ``"loss"`` (``None``: no cost).
             They are for metrics: a backward through them raises (compute loss terms in forward).
-            A pipeline hands them back as ``None`` (only its last stage computes them, a micro-batch
-            at a time), so the planner considers one for such a model only under ``"loss"``.
+            A pipeline and per-segment ratios take ``"whole"`` and ``"loss"``: a pipeline's stage
+            computing them (the last, for logits) hands its micro-batches' values to every rank
+            concatenated along the batch dimension (a tensor whose dim 0 is not the batch is refused
+            there), the planner pricing that broadcast in the pipeline's step time; per-segment
+            ratios gather them as the SPMD module does. ``train_step`` returns the loss alone.
         options: for synthesis when no plan is given -- ``segments``, ``rounds``, ``solver``,
             ``memory``, ``baseline``, ``ratios`` (see :func:`synthesize`) and the theory options
             ``sfb``, ``variants``, ``param_comm``, ``strict``, ``precision`` (see :func:`hapc.derive`;
@@ -242,8 +246,9 @@ def compile(
         if refused is not None:  # not ignored: a loss= or capture= left out would train another program
             raise HapcError(f"pipeline=True cannot honour it: {refused}; drop it, or compile with pipeline=False")
         return _compile_pipeline(
-            model, cluster, example_inputs, None, num_micro, schedule, timeout, options, recompute=recompute, seed=seed
-        )
+            model, cluster, example_inputs, None, num_micro, schedule, timeout, options, recompute=recompute, seed=seed,
+            outputs=outputs,
+        )  # fmt: skip
     blocked = _pipeline_blocked(
         plan=None if _is_segmented(plan) else plan, group=group, device=device, init=init,
         leaf_modules=tuple(leaf_modules), capture=capture, loss=loss, outputs=outputs,
@@ -260,7 +265,9 @@ def compile(
             init=init, leaf_modules=tuple(leaf_modules), capture=capture, loss=loss, outputs=outputs,
             num_micro=num_micro,
         )  # fmt: skip
-        return _compile_segmented(model, cluster, example_inputs, plan, group, device, seed, refused, options)
+        return _compile_segmented(
+            model, cluster, example_inputs, plan, group, device, seed, refused, options, outputs=outputs
+        )
     if plan is None and cluster.num_devices != world and cluster.virtual == "gpu":
         raise HapcError(
             f"cluster {cluster.name!r} has {cluster.num_devices} devices but the job has {world} processes; "
@@ -285,10 +292,13 @@ def compile(
         )  # fmt: skip
         if kind == "pipeline":
             return _compile_pipeline(
-                model, cluster, example_inputs, plan, num_micro, schedule, timeout, options, priced, seed=seed
-            )
+                model, cluster, example_inputs, plan, num_micro, schedule, timeout, options, priced, seed=seed,
+                outputs=outputs,
+            )  # fmt: skip
         if kind == "segmented":
-            return _compile_segmented(model, cluster, example_inputs, plan, group, device, seed, None, options)
+            return _compile_segmented(
+                model, cluster, example_inputs, plan, group, device, seed, None, options, outputs=outputs
+            )
     plan.check(graph=theory.graph, cluster=cluster, world_size=world)  # the theory's: autocast dtypes
     module = CompiledModule(
         model, theory, plan, group=group, device=device, seed=seed, init=init, loss_sync=loss_sync, outputs=outputs
@@ -411,8 +421,8 @@ def _group_with_timeout(group: Any, seconds: float) -> Any:
 def _pipeline_blocked(**given: Any) -> str | None:
     """Why this compile call cannot run a pipeline (None: it can): options that only the SPMD
     runtime honours leave the pipeline out of the planner's choice instead of being ignored."""
-    # the others' default is None or empty; a pipeline hands the model's other outputs back as None, which
-    # outputs="loss" asks for (and "whole" lets the planner weigh: hapc.planner.outputs_blocker)
+    # the others' default is None or empty; a pipeline hands the model's other outputs back whole (the
+    # default) or not at all (outputs="loss"), never as a rank's piece ("local")
     fine = {"capture": ("auto",), "outputs": ("whole", "loss")}
     used = [k for k, v in given.items() if (v not in fine[k] if k in fine else v is not None and v != ())]
     if not used:
@@ -462,9 +472,11 @@ def _compile_segmented(
     seed: int,
     blocked: str | None,
     options: dict[str, Any],
+    outputs: str = "whole",
 ) -> Any:
     """A :class:`~hapc.segmented.SegmentedModule` under ``plan`` (planned here, forced, when None:
-    rank 0 prices the segmented kind alone and sends the plan as JSON)."""
+    rank 0 prices the segmented kind alone and sends the plan as JSON), handing back the model's
+    other outputs as ``outputs`` says ("whole" or "loss")."""
     import torch.distributed as dist
 
     from ._util import broadcast_json
@@ -508,7 +520,7 @@ def _compile_segmented(
         plan = SegmentedPlan.from_json(data)
     plan.check(cluster=cluster)
     refuse_held_gradients(model, "segmented", group)
-    module = SegmentedModule(model, example_inputs, plan, group=group, device=device, seed=seed)
+    module = SegmentedModule(model, example_inputs, plan, group=group, device=device, seed=seed, outputs=outputs)
     guard(model, module)  # the model raises while stale: module.unwrap() writes the trained weights back
     return module
 

@@ -368,23 +368,54 @@ def segmented_blocker(cluster: Cluster, example_inputs: Any) -> str | None:
     return None
 
 
-def outputs_blocker(graph: Any, what: str = "a pipeline") -> str | None:
+def outputs_blocker(model: torch.nn.Module, graph: Any, example_inputs: Any, trace_options: Any = None) -> str | None:
     """Why the plan-kind choice leaves the pipeline out for a model returning more than its loss
-    (None: it returns the loss alone): a pipeline hands back the batch loss alone (the other
-    tensors ``None`` in the model's structure), the SPMD module hands the other tensors (logits
-    for a metric) back, so picking a pipeline by cost would change what the user's call returns --
-    unless the caller said it needs the loss alone (``hapc.compile(..., outputs="loss")``, which
-    :func:`choose_plan` is told as ``outputs``). ``what``: the kind (per-segment ratios likewise).
-    An explicit pipeline or segmented plan still runs."""
-    extra = len(graph.outputs) - 1
-    if extra < 1:
+    under ``outputs="whole"`` (None: it can hand them back). A pipeline computes them a micro-batch
+    at a time and hands them back concatenated along dim 0 (:mod:`hapc.pipeline.runtime`), exact
+    for a tensor whose dim 0 is the batch's rows: one that is not (a scalar metric) is refused by
+    the runtime where the batch is split, so the choice must not pick it (the SPMD module hands
+    such a tensor back whole). Checked by :func:`hapc.pipeline.runtime.check_batch_major` against
+    the model traced at ``batch / d`` rows (``d`` the batch's least divisor above 1; ``graph`` is
+    the batch's). ``outputs="loss"`` (they come back ``None``) lets the planner choose it; an
+    explicit pipeline still plans (``hapc.compile(pipeline=True)`` then refuses naming the fix).
+    Per-segment ratios hand every returned tensor back as the SPMD module does: never blocked."""
+    from .pipeline.runtime import check_batch_major, micro_batches
+    from .theory import trace
+
+    if not any(r is not None for k, r in enumerate(graph.outputs) if k != graph.loss_leaf):
         return None
-    forced = "pipeline=True (hapc synth --kind pipeline)" if what == "a pipeline" else "segmented=True"
-    return (
-        f"the model returns {extra} tensor(s) besides its loss, which only the SPMD module hands back ({what} "
-        f"returns them as None); outputs='loss' (the loss alone is needed) lets the planner choose it, and "
-        f"{forced} trains it so without them"
-    )
+    batch = _batch_size(example_inputs)
+    d = next((d for d in range(2, (batch or 1) + 1) if batch % d == 0), None)
+    if d is None:  # a batch of one row: a single micro-batch, nothing concatenated
+        return None
+    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
+    micro = trace(model, micro_batches(inputs, d, batch)[0], **(trace_options or {}))
+    try:
+        check_batch_major(graph, micro, d)
+    except HapcError as exc:
+        return (
+            f"{exc} (the plan-kind choice leaves the pipeline out; pipeline=True (hapc synth --kind pipeline) "
+            "plans it, and compiles under outputs='loss')"
+        )
+    return None
+
+
+def outputs_seconds(micro: Any, cluster: Cluster, num_micro: int, replicas: int = 1) -> float:
+    """Predicted seconds per step of a pipeline handing the model's other returned tensors back to
+    every rank (``outputs="whole"``; :meth:`hapc.pipeline.runtime.PipelineModule._hand_back`): per
+    tensor and replica one broadcast over the whole cluster of that replica's ``num_micro / R``
+    micro-batches' values, so with ``n`` such tensors of ``b`` bytes per micro-batch (``micro``: the
+    model traced at one micro-batch; the traced dtype, which they travel in)
+    ``n R alpha + beta num_micro sum(b)``, the cluster's broadcast alpha-beta (argument: the message).
+    0 for a model returning its loss alone."""
+    from .pipeline.stages import _itemsize
+
+    metas = [micro[r].meta for k, r in enumerate(micro.outputs) if k != micro.loss_leaf and r is not None]
+    if not metas:
+        return 0.0
+    ab = cluster.alpha_beta("broadcast")
+    nbytes = num_micro * sum(m.numel * _itemsize(m.dtype) for m in metas)
+    return len(metas) * replicas * ab.alpha + ab.beta * nbytes
 
 
 def micro_mismatch(batch: int, num_micro: int) -> str:
@@ -507,9 +538,12 @@ def choose_plan(
     synthesized stage costs -- is no better than a pipeline already priced skips its syntheses or
     its DP and is listed ``"pruned"`` (:func:`_price_pipelines`); the choice, every time priced and
     the counts searched are those of ``prune=False``. ``outputs``: what the caller needs of a
-    model's other returned tensors (``hapc.compile``'s ``outputs=``): ``"loss"`` (none) lets a
-    pipeline be chosen for a model returning more than its loss (they come back ``None``); else
-    such a model is left to the kinds that hand them back (:func:`outputs_blocker`). A ``time_limit`` in
+    model's other returned tensors (``hapc.compile``'s ``outputs=``): ``"loss"`` (none: they come
+    back ``None``, at no cost); otherwise every kind hands them back whole, and a pipeline's time
+    adds their broadcast from the stage computing them to every rank (:func:`outputs_seconds`),
+    while a choice between kinds leaves the pipeline out for a model returning one whose dim 0 is
+    not the batch (:func:`outputs_blocker`). The SPMD and per-segment kinds' gather of them (inside
+    their programs, ``hapc.collectives.output_whole``) is not priced. A ``time_limit`` in
     ``synth_options`` bounds the SPMD search and, with a budget of its own, every search of the
     pipeline's pricing (:func:`~hapc.synth.synthesizer.searches_until`): planning takes about twice
     it at most, plus tracing, deriving and the pipelines' non-search work.
@@ -564,12 +598,9 @@ def choose_plan(
                 or (f"SPMD-only option(s) given: {', '.join(spmd_only)}" if spmd_only else None)
                 or segmented_blocker(cluster, example_inputs)
             )
-            if blocker is None:
-                if theory is None:
-                    theory = derive(trace(model, example_inputs, **(trace_options or {})), **theory_options)
-                # a choice between the kinds must not change what the call returns (forced: it runs)
-                choice = "spmd" in kinds and outputs != "loss"
-                blocker = outputs_blocker(theory.graph, "a segmented plan") if choice else None
+            if blocker is None and theory is None:
+                theory = derive(trace(model, example_inputs, **(trace_options or {})), **theory_options)
+            # (the model's other returned tensors come back as the SPMD module's do: no blocker)
             if blocker is not None:
                 out.append(KindEstimate(kind, "not applicable", reason=blocker))
                 continue
@@ -589,9 +620,11 @@ def choose_plan(
             pipeline_blocked
             or (f"SPMD-only option(s) given: {', '.join(spmd_only)}" if spmd_only else None)
             or pipeline_blocker(model, cluster, example_inputs, num_micro)
-            # a choice between the kinds (the SPMD theory is there: it was priced first)
-            or (outputs_blocker(theory.graph) if "spmd" in kinds and theory is not None and outputs != "loss" else None)
         )
+        if blocker is None and "spmd" in kinds and theory is not None and outputs != "loss":
+            # a choice between the kinds (the SPMD theory is there: it was priced first) must not pick a
+            # pipeline that cannot hand the model's other returned tensors back
+            blocker = outputs_blocker(model, theory.graph, example_inputs, trace_options)
         if blocker is not None:
             out.append(KindEstimate(kind, "not applicable", reason=blocker))
             continue
@@ -617,6 +650,7 @@ def choose_plan(
             entries = _price_pipelines(
                 model, cluster, example_inputs, batch, B, theory_options, replicas, labelled=searched,
                 t0=time.perf_counter(), recompute=recompute, above=above if prune else None,
+                outputs=outputs,
             )  # fmt: skip
             for est, pplan in entries:
                 out.append(est)
@@ -660,10 +694,13 @@ def _price_pipelines(
     t0: float,
     recompute: str = "auto",
     above: float | None = None,
+    outputs: str = "whole",
 ) -> list[tuple[KindEstimate, Any]]:
     """The pipeline, and its data-parallel replicas, priced at ``num_micro`` micro-batches: one
     ``(estimate, plan or None)`` per replica count and layout. ``labelled``: say the count in the
-    labels (the planner searched it).
+    labels (the planner searched it). Unless ``outputs="loss"``, each estimate's time adds the
+    hand-back of the model's other returned tensors (:func:`outputs_seconds`; the plan's own
+    ``time`` is the schedule's).
 
     ``above`` (exact pruning; None: off): the least pipeline time priced before. A candidate is
     synthesized only where its synthesis-free lower bound (:func:`hapc.pipeline.planner.step_bound`)
@@ -717,6 +754,7 @@ def _price_pipelines(
         _price_candidates(
             model, cluster, micro, th, layers, candidates, visit, slots, cache,
             num_micro=num_micro, rows=rows, tag=tag, t0=t0, recompute=recompute, above=above,
+            outputs=outputs,
         )  # fmt: skip
     finally:
         ahead = cache.pop("ahead", None)
@@ -742,9 +780,12 @@ def _price_candidates(
     t0: float,
     recompute: str,
     above: float | None,
+    outputs: str = "whole",
 ) -> None:
     """:func:`_price_pipelines`' loop: each candidate in ``visit`` order planned (or pruned, or found
-    infeasible) into its slot."""
+    infeasible) into its slot. A candidate is pruned against estimates that include the hand-back
+    of the outputs, its own bound without it: a pruned one is still no better (the hand-back is
+    never negative)."""
     from .pipeline.planner import PipelinePruned, plan_pipeline
 
     kind = "pipeline"
@@ -798,8 +839,11 @@ def _price_candidates(
         recomputing = [str(k + 1) for k, s in enumerate(pplan.stages) if s.recompute]
         if recomputing:  # activations recomputed in backward where memory binds (hapc.pipeline.dp)
             summary += f", stage(s) {', '.join(recomputing)} recompute"
+        handback = outputs_seconds(th.graph, cluster, num_micro, R) if outputs != "loss" else 0.0
+        if handback:  # the model's other returned tensors broadcast to every rank (outputs="whole")
+            summary += f", outputs handed back {handback * 1e3:.3g} ms"
         seconds = time.perf_counter() - (t0 if R == 1 else t1)
-        est = KindEstimate(label, "feasible", pplan.time, summary=summary, seconds=seconds, replicas=R,
+        est = KindEstimate(label, "feasible", pplan.time + handback, summary=summary, seconds=seconds, replicas=R,
                            num_micro=num_micro)  # fmt: skip
         slots[i] = (est, pplan)
 
@@ -894,6 +938,8 @@ __all__ = [
     "choose_plan",
     "kinds_table",
     "micro_candidates",
+    "outputs_blocker",
+    "outputs_seconds",
     "pipeline_blocker",
     "replica_counts",
     "search_micro",

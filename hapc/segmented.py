@@ -47,7 +47,11 @@ returns the batch loss, and exposes what the other kinds do: ``train_step``, ``m
 keyed by op name and step (:class:`hapc.ops.RandomStream`), the same in every segment as in one
 program. Calls bind as the model's ``forward`` binds them (positionally or by keyword,
 :class:`hapc.codegen.calls.ModelCall`), and the forward returns the model's structure with the loss
-in its place and ``None`` for other returned tensors (logits). Refused (HapcError naming the fix): a
+in its place and the other returned tensors (logits) as ``outputs`` says: ``"whole"`` (default) --
+the segment computing each (:func:`~hapc.codegen.calls.route_outputs`; the last, for logits) returns
+it from its program made whole on every rank, as the SPMD module does (an all-gather of its shards;
+unpriced, as the SPMD kind's), detached (a backward through it raises) -- or ``"loss"`` (``None``, no
+cost); ``train_step`` returns the loss alone. Refused (HapcError naming the fix): a
 parameter read by two segments (tied weights across a cut: no such cut is planned), inputs other
 than the traced global batch (a rank's share, another batch size).
 
@@ -69,7 +73,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .cluster import Cluster
-from .codegen.calls import ModelCall
+from .codegen.calls import ModelCall, route_outputs
 from .collectives import flush_losses
 from .errors import HapcError, PlanError
 from .plan import Plan
@@ -472,7 +476,10 @@ class SegmentedModule(nn.Module):
         device: Any = None,
         seed: int = 0,
         options: dict[str, Any] | None = None,
+        outputs: str = "whole",
     ):
+        """``outputs``: the model's other returned tensors, ``"whole"`` (every rank, the batch's) or
+        ``"loss"`` (``None``); see the module docstring."""
         super().__init__()
         from .codegen.module import CompiledModule
         from .theory import derive, trace
@@ -480,6 +487,11 @@ class SegmentedModule(nn.Module):
 
         if not dist.is_initialized():
             raise HapcError("a segmented module runs inside a distributed job: start it with torchrun")
+        if outputs not in ("whole", "loss"):
+            raise HapcError(
+                f"a segmented module takes outputs='whole' (the model's other returned tensors on every rank) or "
+                f"'loss' (None), got {outputs!r}"
+            )
         self.group = group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         if isinstance(example_inputs, dict):  # keyword inputs (a Hugging Face batch)
@@ -491,10 +503,11 @@ class SegmentedModule(nn.Module):
         self.plan = plan
         self.input_names = list(graph.input_names)
         # calls bind as the model's forward binds them; its structure comes back with the loss in
-        # its place and None for the other tensors (hapc.codegen.calls)
+        # its place and the other tensors from the segments computing them (hapc.codegen.calls)
         self._call = ModelCall(model, inputs, graph)
         self._shapes = {n.name: (tuple(n.shape), n.meta.dtype) for n in graph.inputs}
         stages = split(graph, plan.cuts)
+        self._routed = route_outputs(graph, stages) if outputs == "whole" else []
         topts = _theory_options(plan.plans[0].options)
         theories = [derive(s.graph, **topts) for s in stages]
         keys = set(model.state_dict())
@@ -521,7 +534,11 @@ class SegmentedModule(nn.Module):
         self.plan_kinds: list[dict[str, Any]] = list(plan.kinds)
 
     # -- the step -----------------------------------------------------------------------------------------
-    def _forwards(self, args: tuple, kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _forwards(
+        self, args: tuple, kwargs: dict[str, Any], others: dict[int, Any] | None = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every segment's forward: their outputs and the boundaries' received rows (the leaves the
+        backward reads); the model's other returned tensors into ``others`` (by output position)."""
         bound = dict(zip(self.input_names, self._call.bind(args, kwargs, "the segmented module")))
         for name, x in bound.items():
             shape, dtype = self._shapes[name]
@@ -544,7 +561,11 @@ class SegmentedModule(nn.Module):
                 leaf = rows.requires_grad_(grad)
                 leaves.append(leaf)
                 args += self.stage_graphs[k].unpack(leaf)
-            out = m(**dict(zip(self._names[k], args)))
+            out, extras = m._run(**dict(zip(self._names[k], args)))
+            if others is not None:  # made whole on every rank by the segment's program, detached
+                for r in self._routed:
+                    if r.stage == k:
+                        others[r.leaf] = extras[r.position] if r.position < len(extras) else None
             if k < len(self.segments) - 1 and out.dtype != self._dtypes[k]:
                 out = out.to(self._dtypes[k])  # an autocast segment's half output travels in the traced dtype
             outs.append(out)
@@ -571,14 +592,15 @@ class SegmentedModule(nn.Module):
         when the loss's does, seeded with its gradient (the same on every rank). Under
         ``torch.no_grad()`` only the forwards run. Inputs bind as the model's ``forward`` binds
         them (positionally or by keyword); the result is the model's structure with the loss in its
-        place and ``None`` for the other tensors (``hapc.compile`` chooses this kind by cost for a
-        model returning them only under ``outputs="loss"``)."""
-        outs, leaves = self._forwards(args, kwargs)
+        place and the other tensors whole on every rank (``outputs="whole"``: one device's values for
+        the batch, detached -- a backward through them raises) or ``None`` (``outputs="loss"``)."""
+        others: dict[int, Any] = {}
+        outs, leaves = self._forwards(args, kwargs, others)
         loss = outs[-1].detach()
         if not torch.is_grad_enabled():
-            return self._call.structured(loss)
+            return self._call.structured(loss, others)
         anchor = torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
-        return self._call.structured(_SegmentedLoss.apply(anchor, loss, self, (outs, leaves)))
+        return self._call.structured(_SegmentedLoss.apply(anchor, loss, self, (outs, leaves)), others)
 
     def _agree_on_scale(self, scale: float) -> None:
         """The gradient seeding the loss must be the same on every rank (each seeds the last segment

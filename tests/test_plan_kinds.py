@@ -193,14 +193,16 @@ def test_the_micro_batch_count_is_chosen_by_cost(alias, batch, between):
 
 
 def test_a_model_returning_more_than_its_loss_is_not_pipelined_by_the_choice():
-    """The choice by cost must not change what the call returns: only the SPMD module hands back a
-    model's other outputs. An explicit pipeline still runs."""
+    """The choice by cost must not change what the call returns: a pipeline hands back a model's
+    other outputs concatenated over micro-batches, so one without a batch dimension (a scalar) only
+    the SPMD module hands back. An explicit pipeline still plans. (Logits and other batch-major
+    outputs do pipeline: tests/test_pipeline_outputs.py.)"""
     model, inputs = load("gpt", batch=8)
     plain = choose_plan(model, groups("100 MB/s"), inputs, num_micro=MICRO)
     assert plain.kind == "pipeline"  # the cluster where the loss-only model pipelines
     extra = choose_plan(_WithExtra(model), groups("100 MB/s"), inputs, num_micro=MICRO)
     assert extra.kind == "spmd" and extra.kinds[1].status == "not applicable"
-    assert "1 tensor(s) besides its loss" in extra.kinds[1].reason and "pipeline=True" in extra.kinds[1].reason
+    assert "dim 0" in extra.kinds[1].reason and "pipeline=True" in extra.kinds[1].reason
     forced = choose_plan(_WithExtra(model), groups("100 MB/s"), inputs, kinds=("pipeline",), num_micro=MICRO)
     assert forced.kind == "pipeline"
 
@@ -217,15 +219,16 @@ def test_only_the_requested_kinds_are_priced():
 
 
 class _WithExtra(torch.nn.Module):
-    """A model returning ``(loss, another tensor)``, as a classifier returns ``(loss, logits)``."""
+    """A model returning ``(loss, a scalar the loss is computed from)``: the scalar has no batch
+    dimension a pipeline could concatenate its micro-batches' values along."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        loss = self.model(idx, targets)
-        return loss, loss * 2
+        scaled = self.model(idx, targets) * 2
+        return scaled / 2, scaled
 
 
 def _compile_kinds(rank, world):
@@ -237,8 +240,8 @@ def _compile_kinds(rank, world):
             m = hapc.compile(model, cluster, inputs, pipeline=pipeline)
             kinds = m.plan_kinds if hasattr(m, "plan_kinds") else m.plan.predicted.get("kinds")
             out[name, pipeline] = (type(m).__name__, kinds)
-    # the same model returning a second tensor: only the SPMD module hands it back, so the planner
-    # is not asked to pick a pipeline, whose train_step returns the loss alone
+    # the same model returning a scalar besides its loss: only the SPMD module hands it back (a pipeline
+    # would concatenate the micro-batches' values), so the planner is not asked to pick a pipeline
     model, inputs = load("gpt", batch=8, dtype=torch.float64)
     m = hapc.compile(_WithExtra(model), groups("100 MB/s", per_group=1), inputs)
     out["extra", None] = (type(m).__name__, m.plan.predicted.get("kinds"))
@@ -260,8 +263,10 @@ def test_compile_follows_the_planner_and_the_overrides():
         module, kinds = got[name, False]
         assert module == "CompiledModule" and [k["status"] for k in kinds] == ["chosen", "overridden", "overridden"]
     module, kinds = got["extra", None]  # on the cluster where the plain model pipelines
-    assert module == "CompiledModule" and [k["status"] for k in kinds] == ["chosen", "not applicable", "not applicable"]
-    assert "besides its loss" in kinds[1]["reason"] and "pipeline=True" in kinds[1]["reason"]
+    statuses = [k["status"] for k in kinds]
+    assert module == "CompiledModule" and statuses[:2] == ["chosen", "not applicable"], statuses
+    assert "not applicable" not in statuses[2:]  # per-segment ratios hand a scalar back as SPMD does
+    assert "dim 0" in kinds[1]["reason"] and "pipeline=True" in kinds[1]["reason"]
 
 
 def _two_steps(model, inputs, ddp_style: bool) -> list[float]:

@@ -48,8 +48,19 @@ keeps the copies equal; gradient norms count the weight in its first stage only.
 
 Calls bind as the model's ``forward`` binds them, positionally or by keyword (a Hugging Face
 model's ``module(**batch)``), and the forward returns the model's structure (a ``ModelOutput``)
-with the batch loss in its place and ``None`` for the other tensors, which only the last stage
-computes.
+with the batch loss in its place. **The model's other returned tensors** (logits;
+``outputs="whole"``, the default) come back whole, on every rank, equal to one device's for the
+batch: the stage computing each (:func:`~hapc.codegen.calls.route_outputs`; the last one for
+logits) returns it from its program made whole over its ranks, one micro-batch at a time; after
+the forwards, each replica's relay of that stage concatenates its micro-batches' values along the
+batch dimension (dim 0) in micro-batch order and broadcasts them over the job, and every rank
+concatenates the replicas' in replica order (replica ``r`` holds micro-batches ``r M/R ..``): the
+global batch's order. That is exact only for a tensor whose dim 0 is the batch's rows (or a
+multiple: ``[batch * seq, vocab]``): a returned tensor whose dim 0 does not scale with the batch
+(a scalar metric, a transposed tensor) is refused (:func:`check_batch_major`) where the batch is
+split (more than one micro-batch). They are for metrics: detached from the step, a backward through
+them raises (as the SPMD module's). ``outputs="loss"``: ``None``, at no cost. ``train_step`` returns
+the loss alone and moves none of them (the stage's program still makes its own whole).
 
 **Data-parallel replicas** (:mod:`hapc.pipeline.replicas`, ``PipelineSpec.replicas``): ``R``
 copies of the pipeline on disjoint ranks; replica ``r`` runs micro-batches ``r M/R .. (r+1) M/R - 1``
@@ -82,7 +93,7 @@ from torch import nn
 
 from .._util import broadcast_json
 from ..cluster import Cluster
-from ..codegen.calls import ModelCall
+from ..codegen.calls import ModelCall, route_outputs
 from ..codegen.grad_norm import install_pipeline as install_pipeline_norms
 from ..codegen.grad_norm import mark_stage as mark_stage_grads
 from ..errors import HapcError
@@ -153,6 +164,33 @@ class PipelineSpec:
                     raise HapcError(f"stage {k} runs on {len(rs)} ranks but its cluster has {c.num_devices} devices")
 
 
+def check_batch_major(whole: Any, micro: Any, parts: int) -> None:
+    """Refuse a model output that cannot be rebuilt by concatenating its ``parts`` micro-batches'
+    values along dim 0. ``whole`` / ``micro``: the model traced at the batch and at one micro-batch
+    (:class:`~hapc.theory.graph.RefGraph`). Each returned tensor but the loss must have a dim 0 that
+    scales with the batch (``whole`` dim 0 ``= parts x`` the micro-batch's, the other dims equal):
+    a per-micro-batch scalar (a mean) or a tensor whose rows are not the batch's would concatenate
+    into a wrong value silently. ``parts`` 1: nothing is split, any output is exact."""
+    if parts <= 1:
+        return
+    for leaf, (a, b) in enumerate(zip(whole.outputs, micro.outputs)):
+        if leaf == whole.loss_leaf or a is None or b is None:
+            continue
+        big, small = tuple(whole[a].meta.shape), tuple(micro[b].meta.shape)
+        if big and small and big[0] == parts * small[0] and big[1:] == small[1:]:
+            continue
+        from ..theory.capture import leaf_paths
+
+        where = leaf_paths(whole.output_spec).get(leaf, f"[{leaf}]") if whole.output_spec is not None else f"[{leaf}]"
+        raise HapcError(
+            f"the model returns {where} ({whole[a].name}, shape {list(big)} for the batch, {list(small)} for one of "
+            f"{parts} micro-batches) besides its loss: a pipeline computes it one micro-batch at a time and hands it "
+            "back concatenated along dim 0, which is exact only for a tensor whose dim 0 is the batch's rows. Compile "
+            "with outputs='loss' (it comes back None; compute the metric from batch-major outputs such as logits), "
+            "return it with the batch first, or compile without a pipeline (pipeline=False)"
+        )
+
+
 def batch_rows(inputs: Any) -> int | None:
     """The batch size of example inputs (a tensor, a sequence of positional inputs or a dict of
     keyword inputs): the first dim of the first input that has one (None: no input has)."""
@@ -203,16 +241,26 @@ class PipelineModule(nn.Module):
         seed: int = 0,
         emulate: dict[str, float] | None = None,
         timeout: float | None = None,
+        outputs: str = "whole",
         **options: Any,
     ):
         """``timeout``: seconds after which a send, receive or collective of the pipeline gives up
-        and raises (default: the job's own process-group timeout)."""
+        and raises (default: the job's own process-group timeout). ``outputs``: the model's other
+        returned tensors, ``"whole"`` (default: every rank, the whole batch; see the module
+        docstring) or ``"loss"`` (``None``, no cost); ``"local"`` is refused: a rank of a pipeline
+        holds no piece of the batch's outputs, only its stage's micro-batches."""
         super().__init__()
         from ..codegen.module import CompiledModule
         from ..theory import derive, trace
 
         if not dist.is_initialized():
             raise HapcError("a pipeline runs inside a distributed job: start it with torchrun")
+        if outputs not in ("whole", "loss"):
+            raise HapcError(
+                f"a pipeline takes outputs='whole' (the model's other returned tensors on every rank) or 'loss' "
+                f"(None), got {outputs!r}: no rank holds its own piece of them ('local'), the last stage computes "
+                "them a micro-batch at a time"
+            )
         norms = [q for q, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
         if norms:
             raise HapcError(
@@ -243,6 +291,10 @@ class PipelineModule(nn.Module):
         stages = split_graph(graph, spec.cuts)
         # how the micro-batches' losses make the batch loss; checked on every rank before any work
         self._weighting = loss_weighting(stages[-1].graph)
+        # the model's other returned tensors: which stage's program returns each (hapc.codegen.calls)
+        self._routed = route_outputs(graph, stages) if outputs == "whole" else []
+        if self._routed and spec.num_micro > 1:  # concatenating micro-batches must rebuild the batch's
+            check_batch_major(trace(model, example), graph, spec.num_micro)
         # every rank creates every stage's group, in the same order (torch.distributed requires it);
         # with a timeout, the job's messages and broadcasts also go over a group that has it
         limit = timedelta(seconds=timeout) if timeout is not None else None
@@ -286,6 +338,7 @@ class PipelineModule(nn.Module):
             seed=seed,
             elsewhere=elsewhere,
             loss_sync="eager",
+            outputs="whole",  # this stage's share of the model's other outputs, if any (route_outputs)
         )
         # this stage recomputes its activations in backward (the planner's choice): its program's runs
         # between collectives are checkpointed
@@ -322,6 +375,26 @@ class PipelineModule(nn.Module):
         ]
         for names in self.stage_tensors:
             names.update({a: names[c] for a, c in graph.aliases.items() if c in names and a in keys})
+        self._agree_on_outputs()
+
+    def _agree_on_outputs(self) -> None:
+        """Which routed outputs the stages' programs return (a program computes only what its plan
+        covers: an op its loss does not need may be left out, as the SPMD module leaves it ``None``):
+        each computing stage's first relay says so, every rank learns it (the hand-back's broadcasts
+        must match)."""
+        if not self._routed:
+            return
+        mine: list[bool] = []
+        out = next(n for n in self.module.program.graph.nodes if n.op == "output").args[0]
+        if isinstance(out, tuple):
+            mine = [x is not None for x in out[1:]]
+        present: dict[int, bool] = {}
+        for k in sorted({r.stage for r in self._routed}):
+            flags = broadcast_json(lambda: mine, src=self.relay0[k], group=self.job, device=self.device)
+            for r in self._routed:
+                if r.stage == k:
+                    present[r.leaf] = bool(flags[r.position]) if r.position < len(flags) else False
+        self._routed = [r for r in self._routed if present[r.leaf]]
 
     def _tie(self, stages: list[StageGraph], owned: list[set[str]], replicas: list[Any], limit: Any) -> None:
         """Tied weights that several stages use (GPT-2's token embedding, read again by its output
@@ -356,8 +429,10 @@ class PipelineModule(nn.Module):
 
         Returns the batch loss on every rank, in the structure the model returns (a
         ``ModelOutput``, dict or tuple: the loss in its place, the other tensors -- logits --
-        ``None``: only the last stage computes them, for its micro-batches; ``hapc.compile``
-        chooses a pipeline by cost only under ``outputs="loss"``). Its backward seeds the last
+        whole on every rank, one device's values for the batch, under ``outputs="whole"``: the
+        stage computing them hands its micro-batches' values to every rank, concatenated along
+        the batch dimension (detached: a backward through them raises); ``None`` under
+        ``outputs="loss"``). Its backward seeds the last
         stage with the gradient it is given (``(2 * loss).backward()`` doubles every gradient),
         which must be the same on every rank. Under ``torch.no_grad()`` only the forwards run
         (evaluation). A forward whose loss is never backpropagated is dropped at the next forward
@@ -365,6 +440,7 @@ class PipelineModule(nn.Module):
         refused."""
         inputs = self._call.bind(args, kwargs, "the pipeline")
         step, hi = self._begin(inputs)
+        step.extras = {} if self._routed else None
         rng = self.module.rng
         for kind, m in self._calls:
             if kind in _FORWARD:
@@ -372,12 +448,45 @@ class PipelineModule(nn.Module):
         if rng.drops:
             rng.step += self.num_micro - hi
         loss = self._batch_loss(step.losses, step.weights, inputs)
+        others = self._hand_back(step)
         if not torch.is_grad_enabled():  # (the same on every rank: one that would skip the backward would hang it)
             self._drop(step)
-            return self._call.structured(loss)
+            return self._call.structured(loss, others)
         self._pending = step
         anchor = torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
-        return self._call.structured(_PipelineLoss.apply(anchor, loss, self, step))
+        return self._call.structured(_PipelineLoss.apply(anchor, loss, self, step), others)
+
+    def _hand_back(self, step: _Step) -> dict[int, torch.Tensor]:
+        """The model's other returned tensors for the whole batch, on every rank (see the module
+        docstring): per output and replica, one broadcast over the job from the replica's relay of
+        the computing stage of its micro-batches' values, concatenated along dim 0 in micro-batch
+        order (in the traced dtype: under ``precision=`` an upcast of what the stage computed);
+        the replicas' concatenated in replica order. Detached; a backward through one raises."""
+        from ..collectives.outputs import _MetricsOnly
+
+        if not self._routed:
+            return {}
+        me = dist.get_rank()
+        per = self.replica_micro
+        out: dict[int, torch.Tensor] = {}
+        for r in self._routed:
+            shape = (per * r.shape[0], *r.shape[1:]) if per > 1 else r.shape
+            parts = []
+            for rep in self.spec.all_replicas:
+                src = rep[r.stage][0]
+                if me == src:
+                    mine = [step.extras[m][r.position] for m in range(per)]
+                    t = (torch.cat(mine) if per > 1 else mine[0]).to(device=self.device, dtype=r.dtype).contiguous()
+                else:
+                    t = torch.empty(shape, dtype=r.dtype, device=self.device)
+                dist.broadcast(t, src=src, group=self.job)
+                parts.append(t)
+            whole = torch.cat(parts) if len(parts) > 1 else parts[0]
+            if torch.is_grad_enabled():  # for metrics: a loss term from it would be counted once per rank
+                whole = _MetricsOnly.apply(whole.requires_grad_(), r.name)
+            out[r.leaf] = whole
+        step.extras = None
+        return out
 
     def train_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Forward and backward of every micro-batch by the planned schedule; the batch loss (the
@@ -760,6 +869,8 @@ class _Step:
         self.weights: list[float] = []
         self.scale = 1.0  # the gradient of the batch loss the last stage's seeds are multiplied by
         self.dropped = False  # forwards only, never to be backpropagated (PipelineModule._drop)
+        # the model's other outputs this stage's program returns, per micro-batch (forward() only)
+        self.extras: dict[int, tuple] | None = None
         k = pm.stage
         self.prev = k - 1 if k > 0 else None
         self.next = k + 1 if k < pm.num_stages - 1 else None
@@ -810,7 +921,10 @@ class _Step:
         args = [self.batches[m][n] for n in pm._reads]
         if sg.receives:
             args += sg.unpack(self.acts[m])
-        out = pm.module(**dict(zip(pm._names, args)))  # by name: not the model's signature
+        out, extras = pm.module._run(**dict(zip(pm._names, args)))  # by name: not the model's signature
+        if self.extras is not None and extras and dist.get_rank() == pm.relay[pm.stage]:
+            # whole on every rank of the stage; its relay keeps them (detached) for the hand-back
+            self.extras[m] = tuple(None if e is None else e.detach() for e in extras)
         if self.next is not None and out.dtype != pm.outbound.dtype:
             # a stage under autocast (precision=) may end in the half dtype: the cut travels, and the
             # next stage's input is checked, in the traced dtype (an upcast: exact)
@@ -988,4 +1102,4 @@ def _agree_on_plans(theories: list[Any], clusters: list[Cluster], options: dict[
     return [Plan.from_json(p) for p in data]
 
 
-__all__ = ["PipelineModule", "PipelineSpec", "micro_batches"]
+__all__ = ["PipelineModule", "PipelineSpec", "check_batch_major", "micro_batches"]
