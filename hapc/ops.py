@@ -277,10 +277,34 @@ def _mix64_tensor(z: torch.Tensor) -> torch.Tensor:
 class RandomStream:
     """The run-time state random ops read: ``seed`` (agreed by every rank), ``step`` (advanced by
     the module on every training-mode forward) and ``drops`` (false once a module compiled in
-    training mode is switched to eval: dropout is then the identity). One object per module."""
+    training mode is switched to eval: dropout is then the identity). One object per module.
+
+    A pipeline stage runs its program on one micro-batch at a time, each a slice of the batch's
+    rows; ``micro = (m, n)`` (micro-batch ``m`` of ``n``, set by the pipeline around each forward)
+    and ``batch_dims`` (op -> the dim along which its tensor splits into micro-batches) place the
+    draw of op's tensor in the *batch's* tensor (:meth:`locate`), so that micro-batch ``m`` draws
+    exactly the masks of its rows in the one-rank run of the whole batch (one step per batch). An op
+    whose tensor does not split by micro-batch (not in ``batch_dims``) draws as the batch draws
+    it once: the same masks for every micro-batch."""
 
     def __init__(self, seed: int = 0, step: int = 0, drops: bool = True):
         self.seed, self.step, self.drops = seed, step, drops
+        self.micro: tuple[int, int] | None = None
+        self.batch_dims: dict[str, int] = {}
+
+    def locate(self, op: str, starts: tuple, full: tuple) -> tuple[tuple, tuple]:
+        """``(starts, full_shape)`` of a draw of ``op`` in the batch's tensor: along the op's micro-batch
+        dim ``d``, micro-batch ``m`` of ``n`` starts ``m * full[d]`` rows further, of ``n * full[d]``.
+
+        >>> s = RandomStream(); s.micro, s.batch_dims = (2, 4), {"drop": 0}
+        >>> s.locate("drop", (1, 0), (3, 8))
+        ((7, 0), (12, 8))
+        """
+        d = self.batch_dims.get(op) if self.micro is not None else None
+        if d is None:
+            return starts, full
+        m, n = self.micro  # type: ignore[misc]
+        return (*starts[:d], starts[d] + m * full[d], *starts[d + 1 :]), (*full[:d], n * full[d], *full[d + 1 :])
 
     def key(self, op: str) -> int:
         """The 64-bit key of op ``op``'s draw at this step (a signed int64 value)."""
@@ -336,6 +360,7 @@ def dropout(
         return input * 0.0
     full = tuple(input.shape) if full_shape is None else tuple(full_shape)
     starts = (0,) * input.dim() if starts is None else tuple(starts)
+    starts, full = stream.locate(op, starts, full)  # a pipeline's micro-batch: its rows of the batch's draw
     return input * _mask_scale(stream, op, p, tuple(input.shape), starts, full, input.device, input.dtype)
 
 
@@ -401,7 +426,8 @@ def _drop_samples(
     if per_row and input.dim() > 0:
         full = tuple(input.shape) if full_shape is None else tuple(full_shape)
         start = 0 if starts is None else int(starts[0])
-        shape, first, whole = (input.shape[0],), (start,), (full[0],)
+        shape = (input.shape[0],)
+        first, whole = stream.locate(op, (start,), (full[0],))  # a micro-batch's samples (dim 0)
     else:
         shape, first, whole = (1,), (0,), (1,)
     noise = _mask_scale(stream, op, p, shape, first, whole, input.device, input.dtype)

@@ -40,17 +40,19 @@ AUTOCAST = "hapc_autocast"
 
 def checkpointed(region: torch.nn.Module, rng: Any, *args: Any) -> tuple:
     """``region(*args)`` whose activations are recomputed in backward (``torch.utils.checkpoint``,
-    non-reentrant), with hapc's random stream at this forward's step during the recomputation."""
-    step = rng.step if rng is not None else None
+    non-reentrant), with hapc's random stream at this forward's step (and a pipeline's micro-batch)
+    during the recomputation."""
+    at = (rng.step, rng.micro) if rng is not None else None
 
     def run(*xs: Any) -> tuple:
-        if rng is None or rng.step == step:
+        if rng is None or (rng.step, rng.micro) == at:
             return region(*xs)
-        now, rng.step = rng.step, step
+        now = rng.step, rng.micro
+        rng.step, rng.micro = at  # type: ignore[misc]
         try:
             return region(*xs)
         finally:
-            rng.step = now
+            rng.step, rng.micro = now
 
     return checkpoint(run, *args, use_reentrant=False)
 

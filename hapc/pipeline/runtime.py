@@ -223,6 +223,50 @@ def micro_batches(inputs: Any, num_micro: int, batch: int) -> list[Any]:
     return out
 
 
+def micro_batch_dims(model: nn.Module, batch: Any, graph: Any, num_micro: int) -> dict[str, int]:
+    """Random op (dropout, SDPA's attention dropout, stochastic depth) -> the dim along which its
+    tensor in the micro-batch graph ``graph`` splits the batch's: the one dim whose extent is
+    ``num_micro`` times larger when ``model`` is traced on the whole ``batch``. With it a stage
+    draws, for micro-batch ``m``, exactly its rows of the one-rank run's masks
+    (:meth:`hapc.ops.RandomStream.locate`): the draws do not depend on the plan, as for every other
+    plan kind. An op whose tensor is the same at both sizes (no batch dim) is left out: it draws once
+    per batch on one rank, so every micro-batch draws those same masks.
+
+    The shapes decide, so a tensor whose batch rows are interleaved with another dim before the
+    draw (``[t, b, d]`` flattened to ``[t * b, d]``) is taken as split along its dim 0: its
+    micro-batches draw valid, independent masks, but not the one-rank run's rows (a layout no
+    model in this repository's tests has).
+
+    Raises HapcError for a random op whose tensor changes in another way (several dims, another
+    factor, a node the whole batch's trace lacks): its masks could not be the batch's."""
+    from ..theory.graph import OP
+    from ..theory.program_key import follows_mode
+    from ..theory.rules.random import SAMPLE_DROPS
+
+    draws = [n for n in graph if n.kind == OP and (follows_mode(n) or n.op == "scaled_dot_product_attention")]
+    if not draws or num_micro == 1:
+        return {}
+    from ..theory import trace
+
+    whole = {n.name: n for n in trace(model, batch)}
+    dims: dict[str, int] = {}
+    for n in draws:
+        w = whole.get(n.name)
+        a, b = tuple(n.meta.shape), tuple(w.meta.shape) if w is not None else None
+        moved = [d for d in range(len(a)) if b is not None and len(b) == len(a) and a[d] != b[d]]
+        if b is not None and len(b) == len(a) and not moved:
+            continue  # no batch dim: one draw per batch, the same for every micro-batch
+        if len(moved) != 1 or b[moved[0]] != num_micro * a[moved[0]] or (n.op in SAMPLE_DROPS and moved[0] != 0):
+            raise HapcError(
+                f"random op {n.name} ({n.source}) draws on a tensor of shape {list(a)} per micro-batch, "
+                f"{list(b) if b is not None else 'absent'} for the whole batch: it does not split into the "
+                f"{num_micro} micro-batches along one dim, so a pipeline could not draw the batch's masks. "
+                "Compile it without a pipeline (pipeline=False), or set that drop probability to 0"
+            )
+        dims[n.name] = moved[0]
+    return dims
+
+
 class PipelineModule(nn.Module):
     """This rank's stage of a pipeline. ``loss = module.train_step(*batch)`` runs forward and
     backward of every micro-batch by the schedule and leaves each local parameter with exactly
@@ -283,10 +327,16 @@ class PipelineModule(nn.Module):
         self.batch = batch
         micro = micro_batches(example, spec.num_micro, self.batch)[0]
         graph = trace(model, micro)
+        from ..api import _refuse_random_ops
+
+        # torch's own draws (torch.rand, bernoulli) would differ from one device's by micro-batch and rank
+        _refuse_random_ops(graph, max(world, spec.num_micro))
         self.input_names = list(graph.input_names)
         # calls bind as the model's forward binds them (positionally or by keyword); the model's
         # structure comes back with the loss in its place (hapc.codegen.calls)
         self._call = ModelCall(model, micro, graph)
+        # where each random op's tensor splits into micro-batches: their draws are the batch's
+        draws = micro_batch_dims(model, example, graph, spec.num_micro)
         self._loss_dtype = graph.loss.meta.dtype
         stages = split_graph(graph, spec.cuts)
         # how the micro-batches' losses make the batch loss; checked on every rank before any work
@@ -340,6 +390,7 @@ class PipelineModule(nn.Module):
             loss_sync="eager",
             outputs="whole",  # this stage's share of the model's other outputs, if any (route_outputs)
         )
+        self.module.rng.batch_dims = draws
         # this stage recomputes its activations in backward (the planner's choice): its program's runs
         # between collectives are checkpointed
         self.recomputes = bool(spec.recompute and spec.recompute[self.stage])
@@ -439,14 +490,12 @@ class PipelineModule(nn.Module):
         or step; one loss per backward: summing two forwards' losses before one backward is
         refused."""
         inputs = self._call.bind(args, kwargs, "the pipeline")
-        step, hi = self._begin(inputs)
+        step = self._begin(inputs)
         step.extras = {} if self._routed else None
-        rng = self.module.rng
         for kind, m in self._calls:
             if kind in _FORWARD:
                 getattr(step, kind)(m)
-        if rng.drops:
-            rng.step += self.num_micro - hi
+        step.drawn()
         loss = self._batch_loss(step.losses, step.weights, inputs)
         others = self._hand_back(step)
         if not torch.is_grad_enabled():  # (the same on every rank: one that would skip the backward would hang it)
@@ -493,18 +542,16 @@ class PipelineModule(nn.Module):
         tensor alone, as the SPMD module's ``train_step`` returns it). Inputs bind as for
         :meth:`forward`."""
         inputs = self._call.bind(args, kwargs, "the pipeline")
-        step, hi = self._begin(inputs)
-        rng = self.module.rng
+        step = self._begin(inputs)
         for kind, m in self._calls:
             getattr(step, kind)(m)  # one method per action kind, as fx's Interpreter
-        if rng.drops:
-            rng.step += self.num_micro - hi
+        step.drawn()
         self._finish(step)
         return self._batch_loss(step.losses, step.weights, inputs)
 
-    def _begin(self, inputs: Sequence[Any]) -> tuple[_Step, int]:
-        """A step over this replica's micro-batches of ``inputs`` (bound by ``ModelCall.bind``), and the
-        end of their range (a forward left without its backward is dropped first)."""
+    def _begin(self, inputs: Sequence[Any]) -> _Step:
+        """A step over this replica's micro-batches of ``inputs`` (bound by ``ModelCall.bind``); a
+        forward left without its backward is dropped first."""
         if self._pending is not None:
             self._drop(self._pending)
         self._hold_gradients()
@@ -513,10 +560,8 @@ class PipelineModule(nn.Module):
         lo, hi = self.replica * self.replica_micro, (self.replica + 1) * self.replica_micro
         step = _Step(self, batches[lo:hi])
         step.weights = weights[lo:hi]
-        rng = self.module.rng
-        if rng.drops:  # this replica's micro-batches draw as they would in one pipeline of all of them
-            rng.step += lo
-        return step, hi
+        step.first, step.base = lo, self.module.rng.step  # every micro-batch draws at the batch's step
+        return step
 
     def _finish(self, step: _Step) -> None:
         """After a step's last backward: its sends waited on, replicas summed, gradients marked."""
@@ -871,6 +916,8 @@ class _Step:
         self.dropped = False  # forwards only, never to be backpropagated (PipelineModule._drop)
         # the model's other outputs this stage's program returns, per micro-batch (forward() only)
         self.extras: dict[int, tuple] | None = None
+        self.first = 0  # this replica's first micro-batch in the batch
+        self.base = 0  # the random stream's step for every micro-batch of this batch
         k = pm.stage
         self.prev = k - 1 if k > 0 else None
         self.next = k + 1 if k < pm.num_stages - 1 else None
@@ -915,12 +962,22 @@ class _Step:
         # the previous stage sent this after its backward of m - N_prev: our gradient of it has arrived
         self.release(self.grad_sends.pop(m - self.prev_warm, None))
 
+    def drawn(self) -> None:
+        """After the batch's forwards: the random stream one step on, as after the one-rank forward
+        of the whole batch (whose masks every micro-batch drew its rows of, :meth:`F`)."""
+        rng = self.pm.module.rng
+        rng.micro = None
+        if rng.drops:
+            rng.step = self.base + 1
+
     def F(self, m: int) -> None:
         t0 = time.perf_counter()
         pm, sg = self.pm, self.pm.sg
         args = [self.batches[m][n] for n in pm._reads]
         if sg.receives:
             args += sg.unpack(self.acts[m])
+        rng = pm.module.rng  # micro-batch m draws its rows of the batch's masks (RandomStream.locate)
+        rng.step, rng.micro = self.base, (self.first + m, pm.num_micro)
         out, extras = pm.module._run(**dict(zip(pm._names, args)))  # by name: not the model's signature
         if self.extras is not None and extras and dist.get_rank() == pm.relay[pm.stage]:
             # whole on every rank of the stage; its relay keeps them (detached) for the hand-back
