@@ -113,6 +113,35 @@ def test_bad_pipeline_inputs_are_clear_errors():
         spec.check(2)
 
 
+def _other_batch_job(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    model, inputs = _model("gpt", 8)
+    graph = trace(model, micro_batches(inputs, 4, 8)[0])
+    spec = PipelineSpec(balanced_cuts(graph, [1, 1]), [[0], [1]], [cluster_of([1e10])] * 2, [2, 1], 4)
+    pm = PipelineModule(model, inputs, spec)
+    refused = []
+    for rows in (2, 6):  # 2: one micro-batch's rows, which used to run as every micro-batch
+        with pytest.raises(HapcError, match=rf"compiled for batches of 8 rows .*got {rows}.*drop_last=True"):
+            pm.train_step(*(x[:rows] for x in inputs))
+        refused.append(rows)
+    with torch.no_grad(), pytest.raises(HapcError, match="got 4"):
+        pm(*(x[:4] for x in inputs))  # evaluation batches too
+    return {"refused": refused, "loss": pm.train_step(*inputs).item(), "grads": pm.full_gradients()}
+
+
+def test_a_batch_of_another_size_is_refused_and_the_pipeline_goes_on():
+    """A pipeline's programs and cut routes are planned for its batch size; another size is refused on
+    every rank alike (the global batch is every rank's), naming the fix, and the module still trains."""
+    model, inputs = _model("gpt", 8)
+    loss = model(*inputs)
+    loss.backward()
+    for got in run_distributed(_other_batch_job, 2, timeout=180):
+        assert got["refused"] == [2, 6]
+        assert got["loss"] == pytest.approx(loss.item(), rel=1e-12)
+        for k, p in model.named_parameters():
+            torch.testing.assert_close(got["grads"][k], p.grad, rtol=1e-9, atol=1e-12, msg=k)
+
+
 def groups(n: int) -> Cluster:
     """``n`` groups of 2 devices (each slower than the last), fast links inside each group and slow
     ones between neighbouring groups: HARP's setting in miniature."""

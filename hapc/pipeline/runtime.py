@@ -552,6 +552,16 @@ class PipelineModule(nn.Module):
     def _begin(self, inputs: Sequence[Any]) -> _Step:
         """A step over this replica's micro-batches of ``inputs`` (bound by ``ModelCall.bind``); a
         forward left without its backward is dropped first."""
+        rows = batch_rows(inputs)
+        if rows != self.batch:  # another size would not split as planned (a batch of one micro-batch's
+            # rows even ran as every micro-batch: a sum loss counted it num_micro times)
+            raise HapcError(
+                f"the pipeline was compiled for batches of {self.batch} rows ({self.num_micro} micro-batches of "
+                f"{self.batch // self.num_micro}), got {rows}: its stages' programs and the rows sent between them "
+                "are planned for that size. Pass every rank the whole batch, of that size (a DataLoader's last "
+                "partial batch: drop_last=True), or compile without a pipeline (pipeline=False), whose module takes "
+                "any batch"
+            )
         if self._pending is not None:
             self._drop(self._pending)
         self._hold_gradients()
