@@ -142,6 +142,46 @@ def test_a_batch_of_another_size_is_refused_and_the_pipeline_goes_on():
             torch.testing.assert_close(got["grads"][k], p.grad, rtol=1e-9, atol=1e-12, msg=k)
 
 
+def _groups_by_name(named) -> list[dict]:
+    """AdamW groups as Hugging Face's recipe makes them: no weight decay for biases and norms."""
+    named = list(named)
+    plain = [p for n, p in named if n.endswith(".bias") or ".ln" in n]
+    return [{"params": [p for n, p in named if not any(p is q for q in plain)], "weight_decay": 0.5},
+            {"params": plain, "weight_decay": 0.0}]  # fmt: skip
+
+
+def _named_groups_job(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    model, inputs = _model("gpt", 8)
+    graph = trace(model, micro_batches(inputs, 2, 8)[0])
+    spec = PipelineSpec(balanced_cuts(graph, [1, 1]), [[0], [1]], [cluster_of([1e10])] * 2, [2, 1], 2)
+    pm = PipelineModule(model, inputs, spec)
+    names = [n for n, _ in pm.named_parameters()]
+    optimizer = torch.optim.AdamW(_groups_by_name(pm.named_parameters()), lr=0.05, eps=1e-6)
+    for _ in range(2):
+        optimizer.zero_grad()
+        pm.train_step(*inputs)
+        optimizer.step()
+    return {"names": names, "state": pm.full_state_dict()}
+
+
+def test_parameters_carry_the_model_s_names_for_name_based_groups():
+    """``named_parameters()`` of a stage lists its parameters under the model's names, so weight-decay
+    groups written for the model (biases and norms left out) train as on one device; listed by the
+    program's attribute names (``module.program.blocks_0_ln1_bias``) the rule silently decayed them."""
+    model, inputs = _model("gpt", 8)
+    optimizer = torch.optim.AdamW(_groups_by_name(model.named_parameters()), lr=0.05, eps=1e-6)  # eps: harness
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(*inputs).backward()
+        optimizer.step()
+    results = run_distributed(_named_groups_job, 2, timeout=180)
+    assert sorted(n for r in results for n in r["names"]) == sorted(n for n, _ in model.named_parameters())
+    for got in results:
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(got["state"][k], v, rtol=1e-9, atol=1e-12, msg=k)
+
+
 def groups(n: int) -> Cluster:
     """``n`` groups of 2 devices (each slower than the last), fast links inside each group and slow
     ones between neighbouring groups: HARP's setting in miniature."""

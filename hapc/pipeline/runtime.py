@@ -688,6 +688,14 @@ class PipelineModule(nn.Module):
             g.copy_(flat[at : at + g.numel()].view_as(g))
             at += g.numel()
 
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Any:
+        """This stage's local parameters (whole or this rank's shard) under the names the model gives
+        them (``transformer.h.1.ln_2.bias``), as the SPMD module's: name-based parameter groups (weight
+        decay off for biases and norms, layer-wise learning rates) select the same parameters as on
+        one device. (nn.Module's own listing named them by the program's attributes,
+        ``module.program.transformer_h_1_ln_2_bias``: such rules silently missed.)"""
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, **kwargs: Any) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over this stage's parameters: the total norm of the whole
         model's gradients, from every stage, on every rank (every rank calls)."""
