@@ -8,6 +8,7 @@ single-device training of the whole batch (float64).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -178,6 +179,38 @@ def test_parameters_carry_the_model_s_names_for_name_based_groups():
     results = run_distributed(_named_groups_job, 2, timeout=180)
     assert sorted(n for r in results for n in r["names"]) == sorted(n for n, _ in model.named_parameters())
     for got in results:
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(got["state"][k], v, rtol=1e-9, atol=1e-12, msg=k)
+
+
+def _no_sync_job(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    model, inputs = _model("gpt", 8)
+    graph = trace(model, micro_batches(inputs, 4, 8)[0])
+    spec = PipelineSpec(balanced_cuts(graph, [1, 1]), [[0], [1]], [cluster_of([1e10])] * 2, [2, 1], 4,
+                        replicas=[[[0], [1]], [[2], [3]]])  # fmt: skip
+    pm = PipelineModule(model, inputs, spec)
+    optimizer = torch.optim.SGD(pm.parameters(), lr=0.1)
+    for k, batch in enumerate([inputs, tuple(x.flip(0) for x in inputs)]):  # DDP's accumulation loop
+        with pm.no_sync() if k == 0 else contextlib.nullcontext():
+            (pm(*batch) / 2).backward()
+    grads = pm.full_gradients()
+    optimizer.step()
+    return {"grads": grads, "state": pm.full_state_dict()}
+
+
+def test_ddp_s_no_sync_accumulation_loop_runs_on_pipeline_replicas():
+    """``with module.no_sync():`` (DDP's gradient accumulation) on two replicas of a 2-stage pipeline:
+    the accumulated gradients and the step equal one device's."""
+    model, inputs = _model("gpt", 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for batch in [inputs, tuple(x.flip(0) for x in inputs)]:
+        (model(*batch) / 2).backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    optimizer.step()
+    for got in run_distributed(_no_sync_job, 4, timeout=240):
+        for k, g in grads.items():
+            torch.testing.assert_close(got["grads"][k], g, rtol=1e-9, atol=1e-12, msg=k)
         for k, v in model.state_dict().items():
             torch.testing.assert_close(got["state"][k], v, rtol=1e-9, atol=1e-12, msg=k)
 

@@ -80,9 +80,10 @@ does not slow the sender's compute.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -687,6 +688,15 @@ class PipelineModule(nn.Module):
         for g in grads:
             g.copy_(flat[at : at + g.numel()].view_as(g))
             at += g.numel()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """``DistributedDataParallel.no_sync`` for loops written for DDP's gradient accumulation
+        (``with module.no_sync(): module(*batch).backward()`` on all but the last batch): backward
+        passes inside accumulate exactly as outside -- each step sums its own contributions across
+        replicas and tied copies and adds them to the gradients held (the single-device sum,
+        :meth:`_hold_gradients`). It defers no communication."""
+        yield
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Any:
         """This stage's local parameters (whole or this rank's shard) under the names the model gives
