@@ -14,6 +14,7 @@ from .plan import Plan
 from .planner import KINDS, SYNTH_OPTIONS, THEORY_OPTIONS, choose_plan, synthesize_theory
 from .synth.baselines import needs_param_comm
 from .synth.search import Progress
+from .theory.draws import refuse_random_ops
 from .theory.program_key import follows_mode as _follows_mode
 from .theory.program_key import program_key as _mode_key
 
@@ -275,7 +276,7 @@ def compile(
         )
     graph = trace(model, example_inputs, leaf_modules=leaf_modules, capture=capture, loss=loss)
     mode_branch = _mode_branch(model, example_inputs, graph, leaf_modules=leaf_modules, capture=capture, loss=loss)
-    _refuse_random_ops(graph, world)
+    refuse_random_ops(graph, world)
     theory_opts = {"sfb": True, "variants": ("padded", "grouped"), "param_comm": False, "strict": False}
     source = plan.options if plan is not None else options
     theory_opts.update({k: source[k] for k in THEORY_OPTIONS if k in source})
@@ -493,7 +494,7 @@ def _compile_segmented(
         )
     from .theory import trace
 
-    _refuse_random_ops(trace(model, example_inputs), dist.get_world_size(group))
+    refuse_random_ops(trace(model, example_inputs), dist.get_world_size(group))
     if plan is None:
         world = dist.get_world_size(group)
         if cluster.num_devices != world:
@@ -523,62 +524,6 @@ def _compile_segmented(
     module = SegmentedModule(model, example_inputs, plan, group=group, device=device, seed=seed, outputs=outputs)
     guard(model, module)  # the model raises while stale: module.unwrap() writes the trained weights back
     return module
-
-
-#: random ops without a rank-consistent draw (dropout, SDPA's dropout_p and stochastic depth have one:
-#: hapc.theory.rules.random), with the position and default of their ``training`` flag where they
-#: have one (None: random always)
-RANDOM_OPS: dict[str, tuple[int, bool] | None] = {
-    "alpha_dropout": (2, False),
-    "feature_alpha_dropout": (2, False),
-    "dropout1d": (2, True),
-    "dropout2d": (2, True),
-    "dropout3d": (2, True),
-    "rrelu": (3, False),
-    "rand": None,
-    "randn": None,
-    "randint": None,
-    "poisson": None,
-    "rand_like": None,
-    "randn_like": None,
-    "randint_like": None,
-    "bernoulli": None,
-    "multinomial": None,
-    "normal": None,
-    "uniform": None,
-    "exponential": None,
-    "randperm": None,
-}
-
-
-def _refuse_random_ops(graph: Any, world: int) -> None:
-    """Random ops other than dropout and stochastic depth would draw different values on different
-    ranks, so a replicated tensor would stop being replicated: refuse rather than train a silently
-    different model. (Dropout, SDPA's ``dropout_p``, torchvision's ``stochastic_depth`` and timm's
-    ``drop_path`` draw from (seed, step, op, global index) on every rank:
-    :mod:`hapc.theory.rules.random`.)"""
-    if world == 1:
-        return
-    for n in graph:
-        if n.op not in RANDOM_OPS:
-            continue
-        flag = RANDOM_OPS[n.op]
-        if flag is not None:
-            pos, default = flag
-            training = n.kwargs.get("training", n.args[pos] if len(n.args) > pos else default)
-            p = n.kwargs.get("p", n.args[1] if len(n.args) > 1 else 0.5) if "dropout" in n.op else 1
-            if not training or p == 0:
-                continue  # the identity (rrelu: a fixed slope)
-        mode = " in training mode" if flag is not None else ""
-        raise HapcError(
-            f"{n.op}{mode} at {n.name} ({n.source or 'model'}): hapc draws rank-consistent "
-            "random values only for dropout (F.dropout, nn.Dropout, scaled_dot_product_attention's dropout_p) "
-            "and stochastic depth (torchvision.ops.StochasticDepth, timm's DropPath, Hugging Face's *DropPath "
-            "modules), so replicas would diverge; "
-            "use nn.Dropout / F.dropout (or a StochasticDepth module for a per-sample drop) instead, draw the "
-            "values outside the model "
-            "and pass them in as an input, or compile the model in eval mode"
-        )
 
 
 def _agree_on_choice(

@@ -36,6 +36,17 @@ class ModelAttributeError(HapcError, AttributeError):
     ``AttributeError`` too, so ``hasattr`` and ``getattr(..., default)`` keep working)."""
 
 
+def wrapped_model_error() -> ModelAttributeError:
+    """``module.module``: DDP's / FSDP's handle on the wrapped model, asked of a hapc module (whose
+    stage or segment programs hold this rank's part of the weights only)."""
+    return ModelAttributeError(
+        "'module' is DDP's wrapped model; a hapc module runs programs of its own and holds this rank's part of "
+        "the weights. For the trained model call module.unwrap() on every rank (it gathers the weights into the "
+        "model given to hapc.compile and returns it); for a checkpoint, module.state_dict() (every rank: the "
+        "whole single-device state)"
+    )
+
+
 class InfeasibleError(HapcError):
     """No program fits the cluster (memory) or the search space is empty."""
 

@@ -75,7 +75,7 @@ from torch import nn
 from .cluster import Cluster
 from .codegen.calls import ModelCall, route_outputs
 from .collectives import flush_losses
-from .errors import HapcError, PlanError
+from .errors import HapcError, PlanError, wrapped_model_error
 from .plan import Plan
 
 VERSION = 1
@@ -615,6 +615,15 @@ class SegmentedModule(nn.Module):
                 f"{-float(agree[1]):g} to {float(agree[0]):g}): every rank holds the same batch loss and must "
                 "backpropagate it alike, e.g. loss.backward() or (loss / accumulation_steps).backward() on every rank"
             )
+
+    def __getattr__(self, name: str) -> Any:
+        """As any ``nn.Module``; ``module`` (DDP's wrapped model) names :meth:`unwrap` instead."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise wrapped_model_error() from None
+            raise
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

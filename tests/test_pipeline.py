@@ -13,12 +13,12 @@ import itertools
 
 import pytest
 import torch
-from harness import assert_close, make_optimizer, one_device_steps, pipeline_steps
+from harness import assert_close, make_optimizer, one_device_steps, pipeline_steps, two_groups
 
 import hapc
 from hapc import models
 from hapc.cluster import Cluster
-from hapc.errors import HapcError
+from hapc.errors import HapcError, ModelAttributeError
 from hapc.pipeline import compile_pipeline
 from hapc.pipeline.runtime import PipelineModule, PipelineSpec, micro_batches
 from hapc.pipeline.schedule import KINDS, eager_1f1b_warmup, one_f_one_b_warmup
@@ -213,6 +213,28 @@ def test_ddp_s_no_sync_accumulation_loop_runs_on_pipeline_replicas():
             torch.testing.assert_close(got["grads"][k], g, rtol=1e-9, atol=1e-12, msg=k)
         for k, v in model.state_dict().items():
             torch.testing.assert_close(got["state"][k], v, rtol=1e-9, atol=1e-12, msg=k)
+
+
+def _ddp_module_job(rank: int, world: int) -> list[str]:
+    torch.set_num_threads(1)
+    out = []
+    for kind in ({"pipeline": True, "num_micro": 2}, {"segmented": True}, {"pipeline": False}):
+        model, inputs = _model("gpt", 8)
+        module = hapc.compile(model, cluster_of([1e10, 4e9]) if kind.get("segmented") else two_groups(), inputs, **kind)
+        assert not hasattr(module, "module")  # an AttributeError: hasattr / getattr(..., default) work
+        with pytest.raises(ModelAttributeError, match=r"DDP's wrapped model.*module\.unwrap\(\)") as caught:
+            module.module.state_dict()
+        out.append(type(module).__name__)
+        assert "module.unwrap()" in str(caught.value)
+    return out
+
+
+def test_ddp_s_module_attribute_names_unwrap_on_every_kind():
+    """``ddp_model.module`` is how DDP scripts reach the model (``.module.state_dict()``,
+    ``.module.save_pretrained``); a pipeline answered with its stage's program module, whose state
+    is one stage's part of the model: a checkpoint saved so silently lacked the other stages."""
+    kinds = run_distributed(_ddp_module_job, 2, timeout=240)[0]
+    assert kinds == ["PipelineModule", "SegmentedModule", "CompiledModule"]
 
 
 def groups(n: int) -> Cluster:

@@ -115,7 +115,7 @@ def _job(rank, world, weights, ranks, flops, warmups, num_micro, replicas, recom
     )
     pm = PipelineModule(model, inputs, spec)
     out = _train(pm, inputs, ddp)
-    mod = pm.module
+    mod = pm.stage_module
     out["sharded"] = any(lay.is_sharded for _, lay in mod._layouts.values())
     out["recomputes"] = pm.recomputes
     return out

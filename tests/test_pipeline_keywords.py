@@ -163,7 +163,7 @@ def _tied_job(rank, world, weights, ranks, flops, warmups, num_micro, replicas, 
         losses.append(float(pm.train_step(*inputs)))
         norms.append(float(torch.nn.utils.clip_grad_norm_(pm.parameters(), 0.5)))  # clips: the norm is > 0.5
         optimizer.step()
-    mod = pm.module
+    mod = pm.stage_module
     sharded = sorted(mod.theory.graph[ref].target for ref, lay in mod._layouts.values() if lay.is_sharded)
     state = pm.full_state_dict()
     optimizer.zero_grad()  # gradient accumulation: two steps' gradients add up, the tied ones too

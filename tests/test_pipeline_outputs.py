@@ -103,7 +103,7 @@ def _outputs_job(rank, world, case):
         evaluated = pm(*inputs)
     step = pm.train_step(*inputs)
     # the stage's program makes its sharded logits whole over its ranks (CompiledModule's outputs="whole")
-    sharded = any("output_whole" in line and "'S'" in line for line in pm.module.program.code.splitlines())
+    sharded = any("output_whole" in line and "'S'" in line for line in pm.stage_module.program.code.splitlines())
     return {"train": {k: v.detach() for k, v in out.items()}, "eval": evaluated, "grads": grads,
             "step": step, "stage": pm.stage, "sharded": sharded, "grad": out["logits"].requires_grad}  # fmt: skip
 

@@ -83,7 +83,7 @@ def _job(rank, world, alias, batch, weights, ranks, flops, warmups, num_micro, r
         recompute=[recompute] * len(ranks),
     )
     pm = PipelineModule(model, inputs, spec)
-    checkpoints = sum(n.target is regions.checkpointed for n in pm.module.program.graph.nodes)
+    checkpoints = sum(n.target is regions.checkpointed for n in pm.stage_module.program.graph.nodes)
     saved, hooks = _saved_bytes()
     out = pipeline_steps(pm, inputs, STEPS, first=hooks)
     return {

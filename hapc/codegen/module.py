@@ -45,7 +45,7 @@ from .. import collectives as C
 from .._util import same_ranks_group
 from ..checkpoint import load_param_groups
 from ..collectives.ops import gather_impl
-from ..errors import HapcError, ModelAttributeError
+from ..errors import HapcError, ModelAttributeError, wrapped_model_error
 from ..materialize import Init, module_values, owner
 from ..ops import RandomStream
 from ..plan import Plan
@@ -935,6 +935,8 @@ class CompiledModule(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
+            if name == "module":
+                raise wrapped_model_error() from None
             ref = self.__dict__.get("_hapc_original")
             model = ref() if ref is not None else None
             mine = model is not None and (hasattr(type(model), name) or name in model.__dict__)

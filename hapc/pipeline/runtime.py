@@ -97,8 +97,9 @@ from ..cluster import Cluster
 from ..codegen.calls import ModelCall, route_outputs
 from ..codegen.grad_norm import install_pipeline as install_pipeline_norms
 from ..codegen.grad_norm import mark_stage as mark_stage_grads
-from ..errors import HapcError
+from ..errors import HapcError, wrapped_model_error
 from ..plan import Plan
+from ..theory.draws import refuse_random_ops
 from ..theory.graph import BUFFER, PARAM
 from . import reshard
 from .schedule import Action, schedule
@@ -328,10 +329,8 @@ class PipelineModule(nn.Module):
         self.batch = batch
         micro = micro_batches(example, spec.num_micro, self.batch)[0]
         graph = trace(model, micro)
-        from ..api import _refuse_random_ops
-
         # torch's own draws (torch.rand, bernoulli) would differ from one device's by micro-batch and rank
-        _refuse_random_ops(graph, max(world, spec.num_micro))
+        refuse_random_ops(graph, max(world, spec.num_micro))
         self.input_names = list(graph.input_names)
         # calls bind as the model's forward binds them (positionally or by keyword); the model's
         # structure comes back with the loss in its place (hapc.codegen.calls)
@@ -380,7 +379,7 @@ class PipelineModule(nn.Module):
         elsewhere = set().union(*owned) - owned[self.stage]
         self._tie(stages, owned, replicas, limit)
         # eager loss all-reduces: the schedule's sends and receives interleave with them
-        self.module = CompiledModule(
+        self.stage_module = CompiledModule(
             model,
             theories[self.stage],
             plan,
@@ -391,17 +390,17 @@ class PipelineModule(nn.Module):
             loss_sync="eager",
             outputs="whole",  # this stage's share of the model's other outputs, if any (route_outputs)
         )
-        self.module.rng.batch_dims = draws
+        self.stage_module.rng.batch_dims = draws
         # this stage recomputes its activations in backward (the planner's choice): its program's runs
         # between collectives are checkpointed
         self.recomputes = bool(spec.recompute and spec.recompute[self.stage])
         if self.recomputes:
             from .recompute import recompute_program
 
-            recompute_program(self.module.program)
+            recompute_program(self.stage_module.program)
         # clip_grad_norm_ over this stage's parameters adds up every stage's gradients (one all-reduce)
-        install_pipeline_norms(self.module, self.job, rank == self.relay0[self.stage])  # one replica counts
-        self.device = self.module.device
+        install_pipeline_norms(self.stage_module, self.job, rank == self.relay0[self.stage])  # one replica counts
+        self.device = self.stage_module.device
         self.actions: list[Action] = schedule(spec.warmups, self.replica_micro)[self.stage]
         self._calls = [(a.kind, a.micro) for a in self.actions]
         # how each cut's rows travel (HetAuto §5.2): slices held by senders, rows needed by receivers
@@ -437,7 +436,7 @@ class PipelineModule(nn.Module):
         if not self._routed:
             return
         mine: list[bool] = []
-        out = next(n for n in self.module.program.graph.nodes if n.op == "output").args[0]
+        out = next(n for n in self.stage_module.program.graph.nodes if n.op == "output").args[0]
         if isinstance(out, tuple):
             mine = [x is not None for x in out[1:]]
         present: dict[int, bool] = {}
@@ -571,7 +570,7 @@ class PipelineModule(nn.Module):
         lo, hi = self.replica * self.replica_micro, (self.replica + 1) * self.replica_micro
         step = _Step(self, batches[lo:hi])
         step.weights = weights[lo:hi]
-        step.first, step.base = lo, self.module.rng.step  # every micro-batch draws at the batch's step
+        step.first, step.base = lo, self.stage_module.rng.step  # every micro-batch draws at the batch's step
         return step
 
     def _finish(self, step: _Step) -> None:
@@ -583,8 +582,8 @@ class PipelineModule(nn.Module):
             self._sum_replicas()
         self._release_gradients()
         self.compute_seconds = step.compute
-        targets = self.module._targets()
-        mark_stage_grads(self.module, [self.module._tensor(targets[k]) for k in self._counted_elsewhere])
+        targets = self.stage_module._targets()
+        mark_stage_grads(self.stage_module, [self.stage_module._tensor(targets[k]) for k in self._counted_elsewhere])
 
     def _drop(self, step: _Step) -> None:
         """Forget a step that ran its forwards only. Every message of a forward is received within
@@ -608,10 +607,10 @@ class PipelineModule(nn.Module):
         Copies (a held gradient may be a view of a bucket the next backward overwrites)."""
         self._held: list[tuple[nn.Parameter, torch.Tensor]] = []
         if self.num_replicas > 1:
-            params = list(self.module.parameters())
+            params = list(self.stage_module.parameters())
         elif self._tied:
-            targets = self.module._targets()
-            params = [self.module._tensor(targets[key]) for names, _ in self._tied for key in names]
+            targets = self.stage_module._targets()
+            params = [self.stage_module._tensor(targets[key]) for names, _ in self._tied for key in names]
         else:
             return
         for p in params:
@@ -658,7 +657,7 @@ class PipelineModule(nn.Module):
         others zeros) in an all-reduce over the sharing stages' ranks, every rank keeping its slice.
         Every copy then holds the single-device gradient, so an elementwise optimizer step (SGD,
         Adam...) keeps the copies equal."""
-        mod = self.module
+        mod = self.stage_module
         targets = mod._targets()
         first = dist.get_rank() == self.relay[self.stage]
         for names, pg in self._tied:
@@ -679,7 +678,7 @@ class PipelineModule(nn.Module):
     def _sum_replicas(self) -> None:
         """Sum this rank's gradients with the same stage position's in every other replica (one flat
         all-reduce): each replica's are its micro-batches' shares of the global batch loss."""
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        grads = [p.grad for p in self.stage_module.parameters() if p.grad is not None]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -688,6 +687,15 @@ class PipelineModule(nn.Module):
         for g in grads:
             g.copy_(flat[at : at + g.numel()].view_as(g))
             at += g.numel()
+
+    def __getattr__(self, name: str) -> Any:
+        """As any ``nn.Module``; ``module`` (DDP's wrapped model) names :meth:`unwrap` instead."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise wrapped_model_error() from None
+            raise
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -704,7 +712,7 @@ class PipelineModule(nn.Module):
         decay off for biases and norms, layer-wise learning rates) select the same parameters as on
         one device. (nn.Module's own listing named them by the program's attributes,
         ``module.program.transformer_h_1_ln_2_bias``: such rules silently missed.)"""
-        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+        return self.stage_module.named_parameters(prefix, recurse, remove_duplicate)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, **kwargs: Any) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over this stage's parameters: the total norm of the whole
@@ -813,13 +821,13 @@ class PipelineModule(nn.Module):
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's whole gradient by ``state_dict`` name, from all stages (all ranks
         call; every rank gets them): what single-device training of the batch holds in ``.grad``."""
-        return self._from_relays(self.module.full_gradients())
+        return self._from_relays(self.stage_module.full_gradients())
 
     def full_state_dict(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
         """The single-device ``state_dict`` of the whole model, gathered from every stage (all ranks
         call; all get it); with the optimizer, ``{"model", "optimizer"}`` keyed by parameter name as
         :func:`hapc.checkpoint.full_state` gives it, so a checkpoint moves to any plan or one device."""
-        local = self.module.full_state_dict(optimizer)
+        local = self.stage_module.full_state_dict(optimizer)
         model = self._from_relays(local["model"] if optimizer is not None else local)
         if optimizer is None:
             return model
@@ -845,7 +853,7 @@ class PipelineModule(nn.Module):
 
     def load_full_state_dict(self, state: dict[str, Any], optimizer: torch.optim.Optimizer | None = None) -> None:
         """Load a single-device state (or ``{"model", "optimizer"}``): each stage slices its part."""
-        self.module.load_full_state_dict(state, optimizer)
+        self.stage_module.load_full_state_dict(state, optimizer)
 
     def state_dict(  # type: ignore[override]
         self, *, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
@@ -860,8 +868,8 @@ class PipelineModule(nn.Module):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load a single-device ``state_dict``: each stage copies its slices (the other stages' keys
         are expected and skipped)."""
-        mine = set(self.module._state_keys)
-        incompatible = self.module.load_state_dict({k: v for k, v in state_dict.items() if k in mine}, strict)
+        mine = set(self.stage_module._state_keys)
+        incompatible = self.stage_module.load_state_dict({k: v for k, v in state_dict.items() if k in mine}, strict)
         known = {k for names in self.stage_tensors for k in names} | mine
         unexpected = [k for k in state_dict if k not in known]
         if strict and unexpected:
@@ -993,7 +1001,7 @@ class _Step:
     def drawn(self) -> None:
         """After the batch's forwards: the random stream one step on, as after the one-rank forward
         of the whole batch (whose masks every micro-batch drew its rows of, :meth:`F`)."""
-        rng = self.pm.module.rng
+        rng = self.pm.stage_module.rng
         rng.micro = None
         if rng.drops:
             rng.step = self.base + 1
@@ -1004,9 +1012,9 @@ class _Step:
         args = [self.batches[m][n] for n in pm._reads]
         if sg.receives:
             args += sg.unpack(self.acts[m])
-        rng = pm.module.rng  # micro-batch m draws its rows of the batch's masks (RandomStream.locate)
+        rng = pm.stage_module.rng  # micro-batch m draws its rows of the batch's masks (RandomStream.locate)
         rng.step, rng.micro = self.base, (self.first + m, pm.num_micro)
-        out, extras = pm.module._run(**dict(zip(pm._names, args)))  # by name: not the model's signature
+        out, extras = pm.stage_module._run(**dict(zip(pm._names, args)))  # by name: not the model's signature
         if self.extras is not None and extras and dist.get_rank() == pm.relay[pm.stage]:
             # whole on every rank of the stage; its relay keeps them (detached) for the hand-back
             self.extras[m] = tuple(None if e is None else e.detach() for e in extras)
@@ -1037,7 +1045,7 @@ class _Step:
             for rt in cut.routes:
                 if rt.src == me:
                     pm._recv((rt.hi - rt.lo, cut.features), cut.dtype, rt.relay, _GRAD, g.view(-1, cut.features))
-            if pm.module.world > 1:
+            if pm.stage_module.world > 1:
                 dist.broadcast(g, src=pm.relay[pm.stage], group=pm.group)
         else:
             rows = out.numel() // cut.features
@@ -1064,7 +1072,7 @@ class _Step:
             seed = self.grads.pop(m)
         self.backwards += 1
         if self.backwards < pm.replica_micro:
-            with pm.module.no_sync():  # the stage's replicated gradients are summed once, at the last
+            with pm.stage_module.no_sync():  # the stage's replicated gradients are summed once, at the last
                 out.backward(seed)
         else:
             out.backward(seed)

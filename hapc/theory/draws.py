@@ -6,7 +6,8 @@ values became a constant of the graph: the same "noise" at every step, silently 
 without a traced operand becomes a graph node instead (an in-place draw into a plain tensor,
 ``torch.empty(n).uniform_()``, is a capture error, and ``capture="auto"`` retries with
 torch.export, which records it). On several ranks :func:`hapc.compile` then refuses those nodes:
-each rank would draw its own values (``hapc.api.RANDOM_OPS``); dropout and stochastic depth
+each rank would draw its own values (:data:`RANDOM_OPS`, :func:`refuse_random_ops`; a pipeline's
+micro-batches too); dropout and stochastic depth
 (torchvision's ``stochastic_depth``, timm's ``drop_path``) are the random ops hapc draws
 rank-consistently (:mod:`hapc.theory.rules.random`).
 
@@ -35,7 +36,7 @@ import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from ..errors import TraceError
+from ..errors import HapcError, TraceError
 
 #: functions drawing random values (factories and ``*_like``): a node of the graph, never a constant
 FACTORIES = frozenset({
@@ -165,3 +166,59 @@ class CaptureDraws(TorchFunctionMode):
                     "them into the program (torch.export records the draw)"
                 )
         return func(*args, **kwargs)
+
+
+#: random ops without a rank-consistent draw (dropout, SDPA's dropout_p and stochastic depth have one:
+#: hapc.theory.rules.random), with the position and default of their ``training`` flag where they
+#: have one (None: random always)
+RANDOM_OPS: dict[str, tuple[int, bool] | None] = {
+    "alpha_dropout": (2, False),
+    "feature_alpha_dropout": (2, False),
+    "dropout1d": (2, True),
+    "dropout2d": (2, True),
+    "dropout3d": (2, True),
+    "rrelu": (3, False),
+    "rand": None,
+    "randn": None,
+    "randint": None,
+    "poisson": None,
+    "rand_like": None,
+    "randn_like": None,
+    "randint_like": None,
+    "bernoulli": None,
+    "multinomial": None,
+    "normal": None,
+    "uniform": None,
+    "exponential": None,
+    "randperm": None,
+}
+
+
+def refuse_random_ops(graph: Any, world: int) -> None:
+    """Random ops other than dropout and stochastic depth would draw different values on different
+    ranks, so a replicated tensor would stop being replicated: refuse rather than train a silently
+    different model. (Dropout, SDPA's ``dropout_p``, torchvision's ``stochastic_depth`` and timm's
+    ``drop_path`` draw from (seed, step, op, global index) on every rank:
+    :mod:`hapc.theory.rules.random`.)"""
+    if world == 1:
+        return
+    for n in graph:
+        if n.op not in RANDOM_OPS:
+            continue
+        flag = RANDOM_OPS[n.op]
+        if flag is not None:
+            pos, default = flag
+            training = n.kwargs.get("training", n.args[pos] if len(n.args) > pos else default)
+            p = n.kwargs.get("p", n.args[1] if len(n.args) > 1 else 0.5) if "dropout" in n.op else 1
+            if not training or p == 0:
+                continue  # the identity (rrelu: a fixed slope)
+        mode = " in training mode" if flag is not None else ""
+        raise HapcError(
+            f"{n.op}{mode} at {n.name} ({n.source or 'model'}): hapc draws rank-consistent "
+            "random values only for dropout (F.dropout, nn.Dropout, scaled_dot_product_attention's dropout_p) "
+            "and stochastic depth (torchvision.ops.StochasticDepth, timm's DropPath, Hugging Face's *DropPath "
+            "modules), so replicas would diverge; "
+            "use nn.Dropout / F.dropout (or a StochasticDepth module for a per-sample drop) instead, draw the "
+            "values outside the model "
+            "and pass them in as an input, or compile the model in eval mode"
+        )
