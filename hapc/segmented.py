@@ -75,7 +75,7 @@ from torch import nn
 from .cluster import Cluster
 from .codegen.calls import ModelCall, route_outputs
 from .collectives import flush_losses
-from .errors import HapcError, PlanError, wrapped_model_error
+from .errors import HapcError, PlanError
 from .plan import Plan
 
 VERSION = 1
@@ -617,12 +617,14 @@ class SegmentedModule(nn.Module):
             )
 
     def __getattr__(self, name: str) -> Any:
-        """As any ``nn.Module``; ``module`` (DDP's wrapped model) names :meth:`unwrap` instead."""
+        """As any ``nn.Module``; DDP's ``module`` and the compiled model's own attributes (``config``,
+        ``generate``) are refused by name, naming :meth:`unwrap` (as the SPMD module refuses them)."""
         try:
             return super().__getattr__(name)
-        except AttributeError:
-            if name == "module":
-                raise wrapped_model_error() from None
+        except AttributeError as e:
+            from .codegen.original import refuse_attribute
+
+            refuse_attribute(self, name, e)
             raise
 
     @contextlib.contextmanager

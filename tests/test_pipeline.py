@@ -220,8 +220,14 @@ def _ddp_module_job(rank: int, world: int) -> list[str]:
     out = []
     for kind in ({"pipeline": True, "num_micro": 2}, {"segmented": True}, {"pipeline": False}):
         model, inputs = _model("gpt", 8)
+        model.config = {"layers": 2}  # (a Hugging Face model's config)
         module = hapc.compile(model, cluster_of([1e10, 4e9]) if kind.get("segmented") else two_groups(), inputs, **kind)
         assert not hasattr(module, "module")  # an AttributeError: hasattr / getattr(..., default) work
+        with pytest.raises(ModelAttributeError, match=r"'config' belongs to the model.*module\.unwrap\(\)\.config"):
+            _ = module.config
+        with pytest.raises(AttributeError) as plain:
+            _ = module.no_such_attribute
+        assert not isinstance(plain.value, ModelAttributeError)
         with pytest.raises(ModelAttributeError, match=r"DDP's wrapped model.*module\.unwrap\(\)") as caught:
             module.module.state_dict()
         out.append(type(module).__name__)
@@ -232,7 +238,8 @@ def _ddp_module_job(rank: int, world: int) -> list[str]:
 def test_ddp_s_module_attribute_names_unwrap_on_every_kind():
     """``ddp_model.module`` is how DDP scripts reach the model (``.module.state_dict()``,
     ``.module.save_pretrained``); a pipeline answered with its stage's program module, whose state
-    is one stage's part of the model: a checkpoint saved so silently lacked the other stages."""
+    is one stage's part of the model: a checkpoint saved so silently lacked the other stages. The
+    model's own attributes (``config``) are refused naming ``unwrap()`` on every kind alike."""
     kinds = run_distributed(_ddp_module_job, 2, timeout=240)[0]
     assert kinds == ["PipelineModule", "SegmentedModule", "CompiledModule"]
 

@@ -45,7 +45,7 @@ from .. import collectives as C
 from .._util import same_ranks_group
 from ..checkpoint import load_param_groups
 from ..collectives.ops import gather_impl
-from ..errors import HapcError, ModelAttributeError, wrapped_model_error
+from ..errors import HapcError
 from ..materialize import Init, module_values, owner
 from ..ops import RandomStream
 from ..plan import Plan
@@ -930,23 +930,16 @@ class CompiledModule(nn.Module):
 
     def __getattr__(self, name: str) -> Any:
         """Parameters, buffers and submodules as any ``nn.Module``; a method or attribute of the
-        model this module was compiled from (``generate``, ``config``...) is refused by name: this
-        module runs the traced forward only."""
+        model this module was compiled from (``generate``, ``config``...), or DDP's ``module``, is
+        refused by name (:func:`~hapc.codegen.original.refuse_attribute`): this module runs the
+        traced forward only."""
         try:
             return super().__getattr__(name)
-        except AttributeError:
-            if name == "module":
-                raise wrapped_model_error() from None
-            ref = self.__dict__.get("_hapc_original")
-            model = ref() if ref is not None else None
-            mine = model is not None and (hasattr(type(model), name) or name in model.__dict__)
-            if not mine or name.startswith("__"):
-                raise
-        raise ModelAttributeError(
-            f"{name!r} belongs to the model given to hapc.compile ({type(model).__name__}); the compiled module "
-            f"runs its traced forward only. Call module.unwrap().{name} (every rank: it gathers the trained "
-            "weights into the model), or keep the value from before compiling"
-        )
+        except AttributeError as e:
+            from .original import refuse_attribute
+
+            refuse_attribute(self, name, e)
+            raise
 
     def unwrap(self) -> nn.Module:
         """Write the trained weights (and buffers) into the model this module was compiled from and

@@ -79,7 +79,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..errors import HapcError
+from ..errors import HapcError, ModelAttributeError, wrapped_model_error
 
 _ATTR = "_hapc_guard"
 
@@ -757,3 +757,21 @@ def write_back(owner: nn.Module, full: dict[str, Any]) -> nn.Module:
     with g.writing_back():
         model.load_state_dict(full, strict=True, assign=meta)
     return model
+
+
+def refuse_attribute(owner: nn.Module, name: str, error: AttributeError) -> None:
+    """Raise for ``owner.<name>``, an attribute no ``nn.Module`` lookup found on a hapc module: for
+    ``module`` (DDP's wrapped model) and for a method or attribute of the model ``owner`` was compiled
+    from (``generate``, ``config``...) a :class:`~hapc.errors.ModelAttributeError` naming
+    ``unwrap()`` (the module runs its traced forward only), else ``error`` itself."""
+    if name == "module":
+        raise wrapped_model_error() from None
+    ref = owner.__dict__.get("_hapc_original")
+    model = ref() if ref is not None else None
+    if model is None or name.startswith("__") or not (hasattr(type(model), name) or name in model.__dict__):
+        raise error
+    raise ModelAttributeError(
+        f"{name!r} belongs to the model given to hapc.compile ({type(model).__name__}); the compiled module "
+        f"runs its traced forward only. Call module.unwrap().{name} (every rank: it gathers the trained "
+        "weights into the model), or keep the value from before compiling"
+    ) from None

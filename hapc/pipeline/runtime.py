@@ -97,7 +97,7 @@ from ..cluster import Cluster
 from ..codegen.calls import ModelCall, route_outputs
 from ..codegen.grad_norm import install_pipeline as install_pipeline_norms
 from ..codegen.grad_norm import mark_stage as mark_stage_grads
-from ..errors import HapcError, wrapped_model_error
+from ..errors import HapcError
 from ..plan import Plan
 from ..theory.draws import refuse_random_ops
 from ..theory.graph import BUFFER, PARAM
@@ -689,12 +689,14 @@ class PipelineModule(nn.Module):
             at += g.numel()
 
     def __getattr__(self, name: str) -> Any:
-        """As any ``nn.Module``; ``module`` (DDP's wrapped model) names :meth:`unwrap` instead."""
+        """As any ``nn.Module``; DDP's ``module`` and the compiled model's own attributes (``config``,
+        ``generate``) are refused by name, naming :meth:`unwrap` (as the SPMD module refuses them)."""
         try:
             return super().__getattr__(name)
-        except AttributeError:
-            if name == "module":
-                raise wrapped_model_error() from None
+        except AttributeError as e:
+            from ..codegen.original import refuse_attribute
+
+            refuse_attribute(self, name, e)
             raise
 
     @contextlib.contextmanager
