@@ -662,6 +662,16 @@ class SegmentedModule(nn.Module):
         for m in self.segments:
             yield from m.named_parameters(prefix, recurse, remove_duplicate)
 
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """``state_dict`` for ``torch.distributed.checkpoint`` without gathering: every segment's
+        :meth:`~hapc.codegen.module.CompiledModule.sharded_state_dict` (no tensor is in two segments:
+        a weight shared across a cut is refused), under the model's names. ``dcp.save`` /
+        ``dcp.load`` (in place) as with the SPMD module."""
+        out: dict[str, Any] = {}
+        for m in self.segments:
+            out.update(m.sharded_state_dict())
+        return out
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, **kwargs: Any) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over every segment's parameters: the single-device total
         norm on every rank (every rank calls)."""

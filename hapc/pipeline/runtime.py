@@ -466,6 +466,7 @@ class PipelineModule(nn.Module):
                 if q == self.replica and self.stage in ks:
                     self._tied.append((names, pg))
         self._counted_elsewhere = {key for ks, names in shared.items() for key in names if self.stage in ks[1:]}
+        self._tied_names = sorted(key for names in shared.values() for key in names)  # every stage's, on every rank
 
     # -- the step -------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -866,6 +867,28 @@ class PipelineModule(nn.Module):
         for key, value in self.full_state_dict().items():
             out[prefix + key] = value
         return out
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """``state_dict`` for ``torch.distributed.checkpoint`` without gathering (as
+        :meth:`~hapc.codegen.module.CompiledModule.sharded_state_dict`): this stage's tensors under
+        the model's names, this rank's chunk of a sharded one, its copy of a replicated one.
+        ``dcp.save(module.sharded_state_dict(), ...)`` on every rank writes every tensor of the
+        model once (each stage its own; the replicas' identical entries are deduplicated by DCP),
+        and ``dcp.load(module.sharded_state_dict(), ...)`` loads in place, from a checkpoint of any
+        plan, world size or one device.
+
+        Raises HapcError for a pipeline whose stages share a weight (GPT-2's token embedding read by
+        its output layer): each stage holds a copy, possibly laid out differently, and an in-place
+        load into one copy would leave the other behind -- ``dcp.save(module.state_dict())`` and
+        ``module.load_state_dict`` keep them equal."""
+        if self._tied_names:
+            raise HapcError(
+                f"this pipeline's stages share weight(s) {self._tied_names[:3]}: each stage holds a copy, so a "
+                "chunked, in-place checkpoint could load one copy and leave the other behind. Use whole tensors: "
+                "dcp.save(module.state_dict(), ...), and to load, sd = module.state_dict(); dcp.load(sd, ...); "
+                "module.load_state_dict(sd)"
+            )
+        return self.stage_module.sharded_state_dict()
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load a single-device ``state_dict``: each stage copies its slices (the other stages' keys
