@@ -606,8 +606,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["whole", "loss"],
         default="whole",
         help="what the training loop reads of the model's other returned tensors (hapc.compile's outputs=): "
-        "whole (default; a model returning logits is then not pipelined by the choice), loss (none: a pipeline "
-        "or per-segment ratios may be chosen, returning them as None)",
+        "whole (default; a pipeline is priced with their hand-back to every rank), loss (none: they come back "
+        "as None, at no cost)",
     )
     y.add_argument(
         "--micro",
