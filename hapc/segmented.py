@@ -74,6 +74,7 @@ from torch import nn
 
 from .cluster import Cluster
 from .codegen.calls import ModelCall, route_outputs
+from .codegen.original import HapcModule
 from .collectives import flush_losses
 from .errors import HapcError, PlanError
 from .plan import Plan
@@ -461,7 +462,7 @@ def candidate_cuts(graph: Any, counts: Sequence[int] = (2, 3)) -> list[tuple[str
 
 
 # -- the runtime ----------------------------------------------------------------------------------------
-class SegmentedModule(nn.Module):
+class SegmentedModule(HapcModule):
     """This rank's share of every segment of a :class:`SegmentedPlan` (see the module docstring).
     ``loss = module.train_step(*batch)`` or ``loss = module(*batch); loss.backward()``, then step any
     optimizer over ``module.parameters()``."""
@@ -615,17 +616,6 @@ class SegmentedModule(nn.Module):
                 f"{-float(agree[1]):g} to {float(agree[0]):g}): every rank holds the same batch loss and must "
                 "backpropagate it alike, e.g. loss.backward() or (loss / accumulation_steps).backward() on every rank"
             )
-
-    def __getattr__(self, name: str) -> Any:
-        """As any ``nn.Module``; DDP's ``module`` and the compiled model's own attributes (``config``,
-        ``generate``) are refused by name, naming :meth:`unwrap` (as the SPMD module refuses them)."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError as e:
-            from .codegen.original import refuse_attribute
-
-            refuse_attribute(self, name, e)
-            raise
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -59,6 +59,7 @@ from .constants import ConstantInputs
 from .constants import check_constant_inputs as _check_constant_inputs
 from .grad_norm import install as install_grad_norms
 from .odd_batch import OddBatches, is_odd
+from .original import HapcModule
 from .program import RankProgram
 
 #: gradient buckets: the first closes once it holds FIRST_BUCKET_BYTES, the others BUCKET_BYTES (DDP's
@@ -75,7 +76,7 @@ def gradient_hooks(p: torch.Tensor) -> tuple[int, int]:
     return len(getattr(p, "_backward_hooks", None) or ()), len(getattr(p, "_post_accumulate_grad_hooks", None) or ())
 
 
-class CompiledModule(nn.Module):
+class CompiledModule(HapcModule):
     """One rank's share of a model under a plan. Call it like the model: it returns the loss
     (its value is the full loss on every rank); ``loss.backward()`` leaves every local parameter
     with exactly its share of the single-device gradient."""
@@ -927,19 +928,6 @@ class CompiledModule(nn.Module):
         if self.__dict__.get("_gather_group") is None:
             self.__dict__["_gather_group"] = same_ranks_group(self.group)
         return self.__dict__["_gather_group"]
-
-    def __getattr__(self, name: str) -> Any:
-        """Parameters, buffers and submodules as any ``nn.Module``; a method or attribute of the
-        model this module was compiled from (``generate``, ``config``...), or DDP's ``module``, is
-        refused by name (:func:`~hapc.codegen.original.refuse_attribute`): this module runs the
-        traced forward only."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError as e:
-            from .original import refuse_attribute
-
-            refuse_attribute(self, name, e)
-            raise
 
     def unwrap(self) -> nn.Module:
         """Write the trained weights (and buffers) into the model this module was compiled from and

@@ -775,3 +775,19 @@ def refuse_attribute(owner: nn.Module, name: str, error: AttributeError) -> None
         f"runs its traced forward only. Call module.unwrap().{name} (every rank: it gathers the trained "
         "weights into the model), or keep the value from before compiling"
     ) from None
+
+
+class HapcModule(nn.Module):
+    """The base of hapc's module kinds (:class:`~hapc.codegen.module.CompiledModule`, the pipeline's
+    and the per-segment ratios' modules): an ``nn.Module`` whose attribute lookup refuses by name
+    what belongs to the model it was compiled from, or to DDP's wrapper (:func:`refuse_attribute`)."""
+
+    def __getattr__(self, name: str) -> Any:
+        """Parameters, buffers and submodules as any ``nn.Module``; DDP's ``module`` and the compiled
+        model's own methods and attributes (``generate``, ``config``...) are refused by name, naming
+        ``unwrap()``: this module runs the traced forward only."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError as e:
+            refuse_attribute(self, name, e)
+            raise

@@ -97,6 +97,7 @@ from ..cluster import Cluster
 from ..codegen.calls import ModelCall, route_outputs
 from ..codegen.grad_norm import install_pipeline as install_pipeline_norms
 from ..codegen.grad_norm import mark_stage as mark_stage_grads
+from ..codegen.original import HapcModule
 from ..errors import HapcError
 from ..plan import Plan
 from ..theory.draws import refuse_random_ops
@@ -269,7 +270,7 @@ def micro_batch_dims(model: nn.Module, batch: Any, graph: Any, num_micro: int) -
     return dims
 
 
-class PipelineModule(nn.Module):
+class PipelineModule(HapcModule):
     """This rank's stage of a pipeline. ``loss = module.train_step(*batch)`` runs forward and
     backward of every micro-batch by the schedule and leaves each local parameter with exactly
     its share of the single-device gradient of the whole batch; then step any optimizer over
@@ -688,17 +689,6 @@ class PipelineModule(nn.Module):
         for g in grads:
             g.copy_(flat[at : at + g.numel()].view_as(g))
             at += g.numel()
-
-    def __getattr__(self, name: str) -> Any:
-        """As any ``nn.Module``; DDP's ``module`` and the compiled model's own attributes (``config``,
-        ``generate``) are refused by name, naming :meth:`unwrap` (as the SPMD module refuses them)."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError as e:
-            from ..codegen.original import refuse_attribute
-
-            refuse_attribute(self, name, e)
-            raise
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
