@@ -204,3 +204,36 @@ def strategy_results(theory: Any, node: Any, values: dict, ratios: Any) -> Itera
             for v, lay, o in zip(ops, s.inputs, node.operands)
         ]
         yield s, simulate.combine(simulate.run_compute(ctx, s, parts), s.output)
+
+
+def pipeline_spec(
+    model: Any,
+    inputs: Any,
+    weights: list[float],
+    ranks: list[list[int]],
+    flops: list[float],
+    warmups: list[int],
+    num_micro: int,
+    replicas: Any = None,
+    memory: str = "4 GiB",
+    recompute: Any = None,
+) -> Any:
+    """A pipeline of ``model`` cut by ``weights`` (``balanced_cuts`` of its micro-batch graph), stage
+    ``k`` on ``ranks[k]`` at ``flops[rank]`` each (``memory`` per device on every stage after the
+    first, whose devices hold 4 GiB), the batch in ``num_micro`` micro-batches."""
+    from hapc.pipeline.runtime import PipelineSpec, micro_batches
+    from hapc.pipeline.stages import balanced_cuts
+    from hapc.testing import cluster_of
+    from hapc.theory import trace
+
+    rows = next(x.shape[0] for x in (inputs.values() if isinstance(inputs, dict) else inputs) if x.dim())
+    graph = trace(model, micro_batches(inputs, num_micro, rows)[0])
+    return PipelineSpec(
+        cuts=balanced_cuts(graph, weights),
+        ranks=ranks,
+        clusters=[cluster_of([flops[r] for r in rs], memory=memory if k else "4 GiB") for k, rs in enumerate(ranks)],
+        warmups=warmups,
+        num_micro=num_micro,
+        replicas=replicas or [],
+        recompute=recompute or [],
+    )

@@ -20,6 +20,7 @@ import pytest
 import realworld
 import torch
 import torch.nn.functional as F
+from harness import pipeline_spec
 from torch import nn
 
 import hapc
@@ -103,16 +104,7 @@ CASES = {
 def _job(rank, world, weights, ranks, flops, warmups, num_micro, replicas, recompute, memory, ddp):
     torch.set_num_threads(1)
     model, inputs = _model()
-    graph = trace(model, micro_batches(inputs, num_micro, BATCH)[0])
-    spec = PipelineSpec(
-        cuts=balanced_cuts(graph, weights),
-        ranks=ranks,
-        clusters=[cluster_of([flops[r] for r in rs], memory=memory if k else "4 GiB") for k, rs in enumerate(ranks)],
-        warmups=warmups,
-        num_micro=num_micro,
-        replicas=replicas or [],
-        recompute=recompute or [],
-    )
+    spec = pipeline_spec(model, inputs, weights, ranks, flops, warmups, num_micro, replicas, memory, recompute)
     pm = PipelineModule(model, inputs, spec)
     out = _train(pm, inputs, ddp)
     mod = pm.stage_module

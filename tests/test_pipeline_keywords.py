@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import two_groups
+from harness import pipeline_spec, two_groups
 from torch import nn
 
 import hapc
@@ -146,15 +146,7 @@ TIED = {
 def _tied_job(rank, world, weights, ranks, flops, warmups, num_micro, replicas, memory):
     torch.set_num_threads(1)
     model, inputs = _tied()
-    graph = trace(model, micro_batches(inputs, num_micro, 8)[0])
-    spec = PipelineSpec(
-        cuts=balanced_cuts(graph, weights),
-        ranks=ranks,
-        clusters=[cluster_of([flops[r] for r in rs], memory=memory if k else "4 GiB") for k, rs in enumerate(ranks)],
-        warmups=warmups,
-        num_micro=num_micro,
-        replicas=replicas or [],
-    )
+    spec = pipeline_spec(model, inputs, weights, ranks, flops, warmups, num_micro, replicas, memory)
     pm = PipelineModule(model, inputs, spec)
     optimizer = torch.optim.Adam(pm.parameters(), lr=1e-2, eps=1e-6)
     losses, norms = [], []

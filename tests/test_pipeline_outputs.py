@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import two_groups
+from harness import pipeline_spec, two_groups
 from torch import nn
 
 import hapc
@@ -78,22 +78,10 @@ CASES = {
 }
 
 
-def _spec(model, inputs, weights, ranks, flops, warmups, num_micro, replicas, memory) -> PipelineSpec:
-    graph = trace(model, micro_batches(inputs, num_micro, 8)[0])
-    return PipelineSpec(
-        cuts=balanced_cuts(graph, weights),
-        ranks=ranks,
-        clusters=[cluster_of([flops[r] for r in rs], memory=memory if k else "4 GiB") for k, rs in enumerate(ranks)],
-        warmups=warmups,
-        num_micro=num_micro,
-        replicas=replicas or [],
-    )
-
-
 def _outputs_job(rank, world, case):
     torch.set_num_threads(1)
     model, inputs = _gpt()
-    pm = PipelineModule(model, inputs, _spec(model, inputs, *CASES[case]))
+    pm = PipelineModule(model, inputs, pipeline_spec(model, inputs, *CASES[case]))
     out = pm(*inputs)  # training: the logits with the loss, the backward through the loss alone
     with pytest.raises(hapc.HapcError, match="metrics only"):
         out["logits"].sum().backward()
@@ -140,7 +128,7 @@ def test_a_pipeline_hands_back_the_whole_batch_logits(case):
 def _loss_only_job(rank, world):
     torch.set_num_threads(1)
     model, inputs = _gpt()
-    pm = PipelineModule(model, inputs, _spec(model, inputs, *CASES["two stages"]), outputs="loss")
+    pm = PipelineModule(model, inputs, pipeline_spec(model, inputs, *CASES["two stages"]), outputs="loss")
     out = pm(*inputs)
     out["loss"].backward()
     return {k: v if v is None else float(v) for k, v in out.items()}, pm._routed
@@ -157,7 +145,7 @@ def _refused_job(rank, world, outputs):
     torch.set_num_threads(1)
     model, inputs = _gpt(scalar=True)
     try:
-        pm = PipelineModule(model, inputs, _spec(model, inputs, *CASES["two stages"]), outputs=outputs)
+        pm = PipelineModule(model, inputs, pipeline_spec(model, inputs, *CASES["two stages"]), outputs=outputs)
     except hapc.HapcError as exc:
         return str(exc)
     return pm(*inputs)["mean"]
