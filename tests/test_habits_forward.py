@@ -126,7 +126,9 @@ def _dropped(rank: int, world: int, capture: str) -> tuple[list[str], bool, bool
         module = hapc.compile(model, "local-cpu:2", (x, y), capture=capture)
     out = module(x, y)
     texts = [str(w.message) for w in seen if issubclass(w.category, hapc.errors.DroppedOutputWarning)]
-    return texts, out["logits_t"] is None, torch.equal(out["logits"], model.lin(x))
+    # equal up to rounding: a rank's rows go through a matmul of another row count, whose kernel
+    # may sum in another order (this CPU: rows 5..7 of 8 differ by 1 ulp computed as 3 rows)
+    return texts, out["logits_t"] is None, torch.allclose(out["logits"], model.lin(x), rtol=1e-13, atol=1e-15)
 
 
 @pytest.mark.parametrize("capture", ["fx", "export"])

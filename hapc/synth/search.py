@@ -184,9 +184,14 @@ class SegmentSearch:
             reach[low] = (rp, rt)
         node_bit = {n: 1 << k for k, n in enumerate(nodes)}
         g = theory.graph
+        # a property covers the segment's nodes it descends from, through every node the segment's
+        # triples compute (not only its anchors): a value made from an anchor by a non-anchor node
+        # of the segment (T5's position bias: add -> embedding -> permute -> where, one segment)
+        # proves the anchor computed once the anchor's own value is dead
+        made = {ins.ref for tid in self.ids for ins in theory.triples[tid].instrs if isinstance(ins, Compute)}
         anc: dict[int, int] = {}
-        for n in sorted(nodes):
-            m = node_bit[n]
+        for n in sorted(made | set(nodes)):
+            m = node_bit.get(n, 0)
             for o in g[n].operands:
                 m |= anc.get(o, 0)
             anc[n] = m
