@@ -418,6 +418,46 @@ def outputs_seconds(micro: Any, cluster: Cluster, num_micro: int, replicas: int 
     return len(metas) * replicas * ab.alpha + ab.beta * nbytes
 
 
+def gather_seconds(plan: Plan, graph: Any, refs: Sequence[int], cluster: Cluster) -> float:
+    """Predicted seconds an SPMD program spends making the model's other returned tensors ``refs``
+    (nodes of ``graph``, the program's reference graph) whole on every rank after its step
+    (``outputs="whole"``: :meth:`hapc.codegen.program.RankProgram._extra_outputs` and
+    :func:`hapc.collectives.output_whole`). Per tensor, in the layout the program holds it in (as the
+    code generator picks: replicated if it has it, else sharded, else partial): nothing when
+    replicated; sharded, a padded all-gather of the largest share (``max(device_ratios)`` of its
+    bytes, the argument all-gathers take: one shard); partial, an all-reduce of the whole tensor. A
+    tensor the program never computes (the loss does not read it) comes back ``None``: nothing."""
+    from .theory.instructions import Collective, Compute, Source
+
+    wanted = {r for r in refs if r is not None}
+    if not wanted or len(plan.device_ratios) <= 1:
+        return 0.0
+    held: dict[int, list[Any]] = {}
+    for ins in plan.instructions:
+        if ins.ref not in wanted:
+            continue
+        lay = ins.layout if isinstance(ins, Source) else ins.output if isinstance(ins, Compute) else (
+            ins.dst if isinstance(ins, Collective) else None)  # fmt: skip
+        if lay is not None:
+            held.setdefault(ins.ref, []).append(lay)
+    share = max(plan.device_ratios)
+    total = 0.0
+    for ref, lays in held.items():
+        if any(lay.is_replicated for lay in lays):
+            continue
+        nbytes = graph[ref].meta.nbytes
+        if any(lay.is_sharded for lay in lays):
+            total += cluster.alpha_beta("all_gather").time(share * nbytes)
+        else:
+            total += cluster.alpha_beta("all_reduce").time(nbytes)
+    return total
+
+
+def extra_outputs(graph: Any) -> list[int]:
+    """The reference-graph nodes of the model's other returned tensors (all but the loss)."""
+    return [r for k, r in enumerate(graph.outputs) if k != graph.loss_leaf and r is not None]
+
+
 def micro_mismatch(batch: int, num_micro: int) -> str:
     """The refusal of a ``num_micro`` that does not divide the batch, naming the fix."""
     divisors = ", ".join(str(d) for d in range(1, batch + 1) if batch % d == 0)
@@ -542,8 +582,8 @@ def choose_plan(
     back ``None``, at no cost); otherwise every kind hands them back whole, and a pipeline's time
     adds their broadcast from the stage computing them to every rank (:func:`outputs_seconds`),
     while a choice between kinds leaves the pipeline out for a model returning one whose dim 0 is
-    not the batch (:func:`outputs_blocker`). The SPMD and per-segment kinds' gather of them (inside
-    their programs, ``hapc.collectives.output_whole``) is not priced. A ``time_limit`` in
+    not the batch (:func:`outputs_blocker`), and the SPMD and per-segment kinds add their programs'
+    gather of them (``hapc.collectives.output_whole``; :func:`gather_seconds`). A ``time_limit`` in
     ``synth_options`` bounds the SPMD search and, with a budget of its own, every search of the
     pipeline's pricing (:func:`~hapc.synth.synthesizer.searches_until`): planning takes about twice
     it at most, plus tracing, deriving and the pipelines' non-search work.
@@ -588,8 +628,13 @@ def choose_plan(
                 continue
             ratios = ", ".join(f"{t['name']} {r:.3g}" for t, r in zip(plan.device_types, plan.ratios))
             summary = f"{len(plan.device_ratios)} devices, ratios {ratios}"
+            extras = extra_outputs(theory.graph) if outputs != "loss" else []
+            gathered = gather_seconds(plan, theory.graph, extras, cluster)
+            if gathered:  # the model's other returned tensors made whole on every rank (outputs="whole")
+                summary += f", outputs gathered {gathered * 1e3:.3g} ms"
             plans[kind] = plan
-            out.append(KindEstimate(kind, "feasible", plan.time, summary=summary, seconds=time.perf_counter() - t0))
+            out.append(KindEstimate(kind, "feasible", plan.time + gathered, summary=summary,
+                                    seconds=time.perf_counter() - t0))  # fmt: skip
             continue
         if kind == "segmented":
             spmd_only = [k for k in ("baseline", "ratios") if synth_options.get(k) is not None]
@@ -607,7 +652,13 @@ def choose_plan(
             spmd_time = plans["spmd"].time if "spmd" in plans else math.inf
             least = min((k.time for k in out if k.status == "feasible"), default=math.inf)
             priced = _price_segmented(
-                theory, cluster, theory_options, synth_options, spmd_time, above=least if prune else None
+                theory,
+                cluster,
+                theory_options,
+                synth_options,
+                spmd_time,
+                above=least if prune else None,
+                outputs=outputs,
             )
             for est, splan in priced:
                 out.append(est)
@@ -871,6 +922,7 @@ def _price_segmented(
     synth_options: dict[str, Any],
     spmd_time: float = math.inf,
     above: float | None = None,
+    outputs: str = "whole",
 ) -> list[tuple[KindEstimate, Any]]:
     """Per-segment ratios (HAP §5.2) at the candidate cut sets (:func:`hapc.segmented.candidate_cuts`):
     one ``(estimate, plan or None)`` each, as the pipeline's micro-batch counts only those priced. Two
@@ -882,8 +934,12 @@ def _price_segmented(
     :func:`segmented_floor` (the boundaries' latencies alone) is not below it is listed ``"pruned"``
     without splitting, deriving or synthesizing its segments: its time is at least ``above``, so it
     cannot be chosen (ties go to the kinds priced first). A pruned two-segment set opens no
-    three-segment one: their floor (two cuts) is no lower, so they are no better either."""
-    from .segmented import candidate_cuts, plan_segmented
+    three-segment one: their floor (two cuts) is no lower, so they are no better either.
+
+    ``outputs`` (``"whole"``): each segment's program gathers the model's other returned tensors it
+    computes, as the SPMD program does (:func:`gather_seconds`, in the segment's own layout and
+    ratios), added to the plan's time; ``"loss"``: none."""
+    from .segmented import candidate_cuts, plan_segmented, segment_outputs_seconds
 
     out: list[tuple[KindEstimate, Any]] = []
     cands = candidate_cuts(theory.graph)
@@ -907,12 +963,14 @@ def _price_segmented(
             continue
         try:
             splan = plan_segmented(theory.graph, cluster, cuts, theory_options=recorded, synth_options=synth_options)
-        except HapcError as exc:  # InfeasibleError: a segment's program does not fit
+            gathered = segment_outputs_seconds(theory.graph, splan, cluster) if outputs != "loss" else 0.0
+        except HapcError as exc:  # InfeasibleError: a segment's program does not fit; an output no segment makes
             out.append((KindEstimate(name, "infeasible", reason=str(exc), seconds=time.perf_counter() - t0), None))
             continue
-        est = KindEstimate(name, "feasible", splan.time, summary=splan.summary(), seconds=time.perf_counter() - t0)
+        summary = splan.summary() + (f", outputs gathered {gathered * 1e3:.3g} ms" if gathered else "")
+        est = KindEstimate(name, "feasible", splan.time + gathered, summary=summary, seconds=time.perf_counter() - t0)
         out.append((est, splan))
-        best = min(best, splan.time)
+        best = min(best, splan.time + gathered)
     return out
 
 
@@ -936,6 +994,7 @@ __all__ = [
     "KindEstimate",
     "PlanChoice",
     "choose_plan",
+    "gather_seconds",
     "kinds_table",
     "micro_candidates",
     "outputs_blocker",

@@ -414,6 +414,22 @@ def plan_segmented(
     )
 
 
+def segment_outputs_seconds(graph: Any, plan: SegmentedPlan, cluster: Cluster) -> float:
+    """Predicted seconds the segments' programs spend making the model's other returned tensors
+    whole on every rank (``outputs="whole"``): each tensor in the segment computing it
+    (:func:`~hapc.codegen.calls.route_outputs`), priced by :func:`hapc.planner.gather_seconds` in
+    that segment's layout and ratios. Raises :class:`~hapc.errors.HapcError` where no segment
+    computes one (a model input returned as it is), as :class:`SegmentedModule` does."""
+    from .planner import gather_seconds
+
+    stages = split(graph, plan.cuts)
+    total = 0.0
+    for r in route_outputs(graph, stages):
+        g = stages[r.stage].graph
+        total += gather_seconds(plan.plans[r.stage], g, [g.outputs[1 + r.position]], cluster)
+    return total
+
+
 def _check_memory(plans: Sequence[Plan]) -> None:
     """Every segment lives on every device at once (weights, gradients, optimizer state and the
     activations saved for the backward): the segments' predicted per-device bytes add up. Each

@@ -278,3 +278,37 @@ def test_the_planner_pipelines_a_model_returning_logits_and_prices_their_hand_ba
     assert refused.kind == "spmd" and piped.status == "not applicable", refused.describe()
     assert "['mean']" in piped.reason and "outputs='loss'" in piped.reason
     assert choose_plan(scalar, two_groups(), inputs, num_micro=4, outputs="loss").kind == "pipeline"
+
+
+def test_the_spmd_and_segmented_kinds_price_their_gather_of_the_outputs():
+    """The SPMD program makes the model's other returned tensors whole on every rank after its step
+    (``output_whole``), and the planner prices it: under data parallelism (the ``dp-cp`` baseline,
+    its rows split at the plan's ratios) the logits and the hidden state are held sharded by rows,
+    so each costs one padded all-gather of the largest share over the cluster (two devices across
+    the 100 us, 100 MB/s link) -- exactly the difference from ``outputs="loss"``. The per-segment
+    kind adds its segments' gathers too."""
+    from hapc.planner import gather_seconds
+
+    model, inputs = _gpt()
+    cluster = two_groups()
+    opts = {"synth_options": {"baseline": "dp-cp"}, "kinds": ("spmd",)}
+    whole = choose_plan(model, cluster, inputs, **opts)
+    loss = choose_plan(model, cluster, inputs, outputs="loss", **opts)
+    share = max(whole.plan.device_ratios)
+    assert 0.5 < share < 1
+    nbytes = 8 * (8 * 16 * 97 + 8 * 16 * 32)  # logits [8, 16, 97] and hidden [8, 16, 32], float64
+    gather = 2 * 100e-6 + share * nbytes / 100e6
+    assert whole.time == pytest.approx(loss.time + gather, rel=1e-6), whole.describe()
+    assert "outputs gathered" in whole.chosen.summary and "outputs gathered" not in loss.chosen.summary
+    # the loss itself is held partial by this program: made whole, it would be an all-reduce of 8 bytes
+    graph = trace(model, inputs)
+    reduce = gather_seconds(whole.plan, graph, [graph.outputs[graph.loss_leaf]], cluster)
+    assert reduce == pytest.approx(cluster.alpha_beta("all_reduce").time(8), rel=1e-12)
+    kinds = ("spmd", "segmented")
+    seg_whole = choose_plan(model, cluster, inputs, kinds=kinds, prune=False)
+    seg_loss = choose_plan(model, cluster, inputs, kinds=kinds, prune=False, outputs="loss")
+    priced = {k.kind: k.time for k in seg_loss.kinds if k.status in ("feasible", "chosen")}
+    segmented = [k for k in seg_whole.kinds if k.plan_kind == "segmented" and k.status in ("feasible", "chosen")]
+    assert segmented, seg_whole.describe()
+    for k in segmented:
+        assert k.time > priced[k.kind] + 100e-6 and "outputs gathered" in k.summary, k
