@@ -649,7 +649,8 @@ def choose_plan(
             if blocker is not None:
                 out.append(KindEstimate(kind, "not applicable", reason=blocker))
                 continue
-            spmd_time = plans["spmd"].time if "spmd" in plans else math.inf
+            # the SPMD kind's time as priced (its gather of the other outputs included), like the segments'
+            spmd_time = next((k.time for k in out if k.kind == "spmd" and k.status == "feasible"), math.inf)
             least = min((k.time for k in out if k.status == "feasible"), default=math.inf)
             priced = _price_segmented(
                 theory,
