@@ -27,8 +27,9 @@ Sends never block and receives do, which the schedules are proven deadlock-free 
 action every rank issues its sends before it waits. A sent tensor is held only until a later
 message proves it received (:class:`_Step`), not to the step's end, so a stage's memory during a
 step is bounded by its in-flight micro-batches, not by their number. Messages go to the process
-group as they are (no copy, no header) unless links are emulated; activations and output gradients
-land in buffers reused across micro-batches and steps (no allocation per message). Receiving the
+group as they are (no copy, no header) unless links are emulated; activations land in buffers
+reused across micro-batches and steps, output gradients in a new one each (autograd may keep a
+received gradient as a parameter's ``.grad``: :meth:`_Step.RECV_GRAD`). Receiving the
 next message ahead, into its own buffer, was measured slower on gloo (4-13 % at 32 micro-batches of
 the benchmark ``pipeline_peer``) and again not faster on 2026-11-26 (A/B in the same processes,
 load 6-10: 1.044 against 0.989 of torch's step at 32 micro-batches; within the noise at 8), so
@@ -417,7 +418,8 @@ class PipelineModule(HapcModule):
         # the warm-up counts as the action lists run them (capped by the micro-batch count)
         self._warm = [min(w, self.replica_micro) for w in spec.warmups]
         self._pool: list[torch.Tensor] = []  # activation receive buffers, reused across micro-batches and steps
-        self._grad_pool: list[torch.Tensor] = []  # output-gradient receive buffers, likewise
+        # (output-gradient receive buffers are not reused: autograd may keep one as a parameter's
+        # .grad -- see _Step.RECV_GRAD)
         self._pending: _Step | None = None  # a forward() awaiting its loss's backward
         # emulated links, as (stage, stage + 1) pairs; all of them unless ``emulate["between"]`` says
         self._slow_links = {tuple(p) for p in (emulate or {}).get("between", zip(range(S), range(1, S)))}
@@ -793,8 +795,8 @@ class PipelineModule(HapcModule):
     def _buffer(
         self, shape: tuple[int, ...], dtype: torch.dtype, pool: list[torch.Tensor] | None = None
     ) -> torch.Tensor:
-        """A receive buffer (activations; output gradients from ``pool=self._grad_pool``): one a
-        finished micro-batch gave back, or a new one."""
+        """A receive buffer (activations, from ``pool``, default :attr:`_pool`): one a finished
+        micro-batch gave back, or a new one."""
         pool = self._pool if pool is None else pool
         for i, b in enumerate(pool):
             if b.shape == shape and b.dtype == dtype:
@@ -953,7 +955,6 @@ class _Step:
         self.raw: dict[int, torch.Tensor] = {}  # their receive buffers, back to the pool after the backward
         self.outs: dict[int, torch.Tensor] = {}  # outputs awaiting their backward
         self.grads: dict[int, torch.Tensor] = {}  # received output gradients
-        self.grad_raw: dict[int, torch.Tensor] = {}  # their receive buffers, back to the pool after the backward
         self.back: dict[int, torch.Tensor] = {}  # input gradients awaiting their send
         self.sends: list[tuple[Any, torch.Tensor]] = []  # every send not yet released
         self.act_sends: dict[int, list[tuple[Any, torch.Tensor]]] = {}  # across the link, by micro-batch
@@ -1052,11 +1053,16 @@ class _Step:
                 self._send(self.act_sends, m, self.pm._isend(rows, rt.relay, _ACT, True))
 
     def RECV_GRAD(self, m: int) -> None:
-        """The gradient of this rank's rows (a replicated output: the first rank's, then broadcast)."""
+        """The gradient of this rank's rows (a replicated output: the first rank's, then broadcast),
+        into a new buffer each time, never one reused: autograd may keep the received tensor itself
+        as a parameter's ``.grad`` (``AccumulateGrad`` takes a contiguous incoming gradient as it is),
+        and a view of it reaches one through view-like ops -- torchvision ViT's class token,
+        ``cat([token.expand(b, -1, -1), x])``, on micro-batches of one row: its gradient a contiguous
+        slice of the received one. A reused buffer overwrote it with the next micro-batch's."""
         pm, cut, me = self.pm, self.pm.outbound, dist.get_rank()
         out = self.outs[m]
         if cut.replicated:  # every rank of the stage receives (the first) or is broadcast the whole gradient
-            g = self.grad_raw[m] = pm._buffer(tuple(out.shape), out.dtype, pm._grad_pool)
+            g = torch.empty(tuple(out.shape), dtype=out.dtype, device=pm.device)
             for rt in cut.routes:
                 if rt.src == me:
                     pm._recv((rt.hi - rt.lo, cut.features), cut.dtype, rt.relay, _GRAD, g.view(-1, cut.features))
@@ -1066,7 +1072,7 @@ class _Step:
             rows = out.numel() // cut.features
             routes = [rt for rt in cut.routes if rt.src == me]
             if routes:  # one at most: a rank holds one slice
-                g = self.grad_raw[m] = pm._buffer((rows, cut.features), out.dtype, pm._grad_pool)
+                g = torch.empty((rows, cut.features), dtype=out.dtype, device=pm.device)
                 for rt in routes:
                     pm._recv((rt.hi - rt.lo, cut.features), cut.dtype, rt.relay, _GRAD, g)
             else:
@@ -1092,8 +1098,6 @@ class _Step:
         else:
             out.backward(seed)
         del out, seed
-        if m in self.grad_raw:  # the backward has read the received gradient: its buffer serves the next one
-            pm._grad_pool.append(self.grad_raw.pop(m))
         if self.prev is not None:
             x = self.acts.pop(m)
             self.back[m] = x.grad if x.grad is not None else torch.zeros_like(x)
