@@ -1,10 +1,9 @@
-"""The pipeline runtime's receive buffers (issue 15): received output gradients land in a buffer
-reused across micro-batches and steps, as activations do, and reusing it changes no result.
+"""Training through the pipeline runtime's received output gradients (issue 15) equals one device.
 
-A stage receives one output gradient right before its backward of that micro-batch and gives the
-buffer back once the backward has read it, so one buffer serves every micro-batch of every step
-(never given back, every micro-batch would allocate its own: 12 buffers here). Checked: one buffer
-in all, and two steps with it equal one device in float64.
+Received output gradients landed in a buffer reused across micro-batches and steps; they now land
+in a new one each (autograd may keep a received gradient as a parameter's ``.grad``:
+tests/test_pipeline_grad_buffers.py). Checked here: two steps over three stages equal one device
+in float64.
 """
 
 from __future__ import annotations
@@ -33,27 +32,15 @@ def _job(rank: int, world: int) -> dict:
         num_micro=MICRO,
     )
     pm = PipelineModule(model, inputs, spec)
-    given: list[torch.Tensor] = []  # held, so that a new buffer never takes a freed one's id
-    buffer = pm._buffer
-
-    def tracked(shape, dtype, pool=None):
-        out = buffer(shape, dtype, pool)
-        if pool is pm._grad_pool:
-            given.append(out)
-        return out
-
-    pm._buffer = tracked
     losses = [float(pm.train_step(*inputs)) for _ in range(2)]
-    return {
-        "losses": losses,
-        "grads": pm.full_gradients(),
-        "given": len(given),
-        "distinct": len({id(t) for t in given}),
-        "pool": len(pm._grad_pool),
-    }
+    return {"losses": losses, "grads": pm.full_gradients()}
 
 
-def test_gradient_receive_buffers_are_reused_and_training_equals_one_device():
+def test_training_with_received_gradients_equals_one_device():
+    """Three stages, six micro-batches, two steps without an optimizer: losses and accumulated
+    gradients equal one device's. (Gradient receive buffers were reused across micro-batches; they
+    are new each time now, since autograd may keep one as a parameter's .grad:
+    tests/test_pipeline_grad_buffers.py.)"""
     world = 3
     results = run_distributed(_job, world, timeout=240)
     model, inputs = models.load("gpt", batch=BATCH, dtype=torch.float64)
@@ -63,8 +50,3 @@ def test_gradient_receive_buffers_are_reused_and_training_equals_one_device():
     for rank, res in enumerate(results):
         assert_close(res["losses"], [loss.item()] * 2, torch.float64, f"rank {rank} losses")
         assert_close(res["grads"], grads, torch.float64, f"rank {rank} grads")
-        if rank < world - 1:  # receives a gradient for each of its micro-batches, in one buffer
-            assert res["given"] == 2 * MICRO, (rank, res)
-            assert res["distinct"] == 1 and res["pool"] == 1, (rank, res)
-        else:  # the last stage seeds its losses: it receives no gradient
-            assert res["given"] == 0 and res["pool"] == 0, (rank, res)
