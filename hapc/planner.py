@@ -410,7 +410,7 @@ def outputs_seconds(micro: Any, cluster: Cluster, num_micro: int, replicas: int 
     0 for a model returning its loss alone."""
     from .pipeline.stages import _itemsize
 
-    metas = [micro[r].meta for k, r in enumerate(micro.outputs) if k != micro.loss_leaf and r is not None]
+    metas = [micro[r].meta for r in extra_outputs(micro)]
     if not metas:
         return 0.0
     ab = cluster.alpha_beta("broadcast")
