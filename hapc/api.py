@@ -232,7 +232,7 @@ def compile(
             "hapc.compile runs inside a distributed job: start it with torchrun (or call "
             "torch.distributed.init_process_group first); for planning alone use hapc.synthesize"
         )
-    from .codegen.original import ensure_fresh, guard
+    from .codegen.original import ensure_fresh, guard, refuse_held_gradients
 
     ensure_fresh(model)  # a model an earlier module trained past would start this one from stale weights
     cluster = Cluster.load(cluster) if not isinstance(cluster, Cluster) else cluster
@@ -301,6 +301,7 @@ def compile(
                 model, cluster, example_inputs, plan, group, device, seed, None, options, outputs=outputs
             )
     plan.check(graph=theory.graph, cluster=cluster, world_size=world)  # the theory's: autocast dtypes
+    refuse_held_gradients(model, "spmd", group)  # a frozen parameter's: the module holds it as a constant
     module = CompiledModule(
         model, theory, plan, group=group, device=device, seed=seed, init=init, loss_sync=loss_sync, outputs=outputs
     )

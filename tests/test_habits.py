@@ -345,6 +345,42 @@ def test_gradients_held_at_compile_are_carried_into_the_first_step(world, kind):
         assert_close(state, model.state_dict(), F64, "parameters after two steps")
 
 
+def _frozen_held_before_compile(rank, world, plan, mode):
+    model, inputs = models.load("mlp", dtype=F64)
+    model(*inputs).backward()
+    frozen = next(iter(model.parameters()))
+    frozen.requires_grad_(False)  # frozen after a backward: it keeps its gradient
+    if mode == "zero":
+        frozen.grad.zero_()
+    elif mode == "rank 0 only" and rank:
+        frozen.grad = None
+    with pytest.raises(hapc.HapcError, match=r"frozen parameter\(s\) .*hold a gradient.*\.grad to None") as info:
+        hapc.compile(model, CLUSTERS[world], inputs, plan=plan)
+    assert ("'layers.0.weight'" in str(info.value)) == (mode != "rank 0 only" or rank == 0)
+    frozen.grad = None  # the fix the error names
+    m = hapc.compile(model, CLUSTERS[world], inputs, plan=plan)
+    _train(m, inputs, 2)
+    return m.full_state_dict()
+
+
+@pytest.mark.parametrize("world, kind", [(2, "default"), (3, "tp")])
+def test_a_frozen_parameters_held_gradient_is_refused(world, kind):
+    """One device steps a parameter by its gradient, not by ``requires_grad``: a layer frozen after
+    a backward keeps its gradient, so an optimizer over ``model.parameters()`` steps it once with it
+    (AdamW decays it even by a zero one). The compiled module holds a frozen parameter as a
+    constant, which no optimizer steps: compile refuses, on every rank (one holding none too), and
+    the fix it names trains as on one device."""
+    model, inputs = models.load("mlp", dtype=F64)
+    next(iter(model.parameters())).requires_grad_(False)
+    options = {"baseline": "tp", "ratios": UNEVEN[world]} if kind == "tp" else {}
+    plan = hapc.synthesize(model, CLUSTERS[world], inputs, **options)
+    want = copy.deepcopy(model)
+    _train(want, inputs, 2)
+    for mode in ("held", "zero", "rank 0 only"):
+        for state in run_distributed(_frozen_held_before_compile, world, plan, mode):
+            assert_close(state, want.state_dict(), F64, f"{mode}: parameters after two steps")
+
+
 def _original_gradients(rank, world, plan):
     model, inputs = models.load("mlp", dtype=F64)
     m = hapc.compile(model, CLUSTERS[world], inputs, plan=plan)

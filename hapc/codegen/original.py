@@ -53,7 +53,8 @@ behalf stays possible: reading their shape, dtype or device, ``model.to(...)`` /
 removes them (the model is then trained by itself, its own backward fills its gradients).
 A gradient the model already holds at compile (a backward before it) is taken over by an SPMD
 module (``CompiledModule.carry_gradients``) and replaced by a placeholder; a pipeline or segmented
-plan refuses it unless it is all zero (:func:`refuse_held_gradients`).
+plan refuses it unless it is all zero, and every plan refuses one held by a frozen parameter
+(:func:`refuse_held_gradients`).
 
 Its parameters' values go stale the same way, and reading them is how an EMA is usually kept:
 ``AveragedModel(model).update_parameters(model)``, or ``ema_p.lerp_(p, ...)`` over
@@ -586,34 +587,58 @@ def plant_no_grads(model: nn.Module) -> None:
 
 
 def refuse_held_gradients(model: nn.Module, kind: str, group: Any = None) -> None:
-    """A plan that cannot take over the gradients ``model`` holds at compile (a backward run before
-    it; ``kind``: "pipeline" or "segmented") refuses them rather than leave them behind: the module's
-    first step would lack what DDP's adds in (a loop that zeroes after its step), and
-    ``clip_grad_norm_(model.parameters())`` would clip the left-behind ones, silently. Gradients
-    that are all zero (``zero_grad(set_to_none=False)``) add nothing: they are cleared, and the
-    model gets placeholders as with none. The ranks of ``group`` decide together (one all-reduce),
-    so that a rank holding none still refuses with the others instead of waiting for them."""
+    """Gradients ``model`` holds at compile (a backward run before it) that the ``kind`` of plan
+    ("spmd", "pipeline" or "segmented") cannot take over are refused rather than left behind.
+
+    * **A frozen parameter's** (``requires_grad=False``, frozen after a backward), on every kind:
+      one device's optimizer and ``clip_grad_norm_`` go by ``.grad``, not ``requires_grad``, so
+      that layer would still step once with it (AdamW would decay it even by a zero one), while the
+      compiled module holds frozen parameters as constants, which no optimizer steps.
+    * **Any gradient, on a pipeline or segmented plan** (an SPMD module takes them over,
+      :meth:`~hapc.codegen.module.CompiledModule.carry_gradients`): its stages cannot, so the
+      module's first step would lack what DDP's adds in (a loop that zeroes after its step), and
+      ``clip_grad_norm_(model.parameters())`` would clip the left-behind ones, silently. Gradients
+      that are all zero (``zero_grad(set_to_none=False)``) add nothing: they are cleared, and the
+      model gets placeholders as with none.
+
+    The ranks of ``group`` decide together (one all-reduce), so that a rank holding none still
+    refuses with the others instead of waiting for them."""
     import torch.distributed as dist
 
     from .module import _default_device
 
     held = [(n, p) for n, p in model.named_parameters() if p.grad is not None and not isinstance(p.grad, NoGrad)]
-    nonzero = [n for n, p in held if bool(p.grad.count_nonzero())]
-    count = torch.tensor([len(nonzero)], dtype=torch.int64)
+    frozen = [n for n, p in held if not p.requires_grad]
+    nonzero = [n for n, p in held if kind != "spmd" and bool(p.grad.count_nonzero())]
+    count = torch.tensor([len(frozen), len(nonzero)], dtype=torch.int64)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         count = count.to(_default_device(group))
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-    if int(count.item()):
-        names = ", ".join(repr(n) for n in nonzero[:3]) + (f" and {len(nonzero) - 3} more" if len(nonzero) > 3 else "")
-        names = names or "on another rank"
+    if int(count[0]):
         raise HapcError(
-            f"the model holds gradients at compile ({names}: a backward ran before hapc.compile), and a {kind} "
-            "plan's stages cannot take them over: its first step would lack them. Call model.zero_grad() before "
-            "hapc.compile if they are not meant for the first step, or compile an SPMD plan (pipeline=False, "
-            "segmented=False), which adds them into the module's first step as DDP does"
+            f"the model's frozen parameter(s) {_some(frozen)} hold a gradient at compile (a backward ran before "
+            "requires_grad_(False)): one device's optimizer would still step them with it, but hapc's module "
+            "holds frozen parameters as constants. Set their .grad to None (or call model.zero_grad()) before "
+            "hapc.compile"
         )
-    for _, p in held:
-        p.grad = None
+    if int(count[1]):
+        raise HapcError(
+            f"the model holds gradients at compile ({_some(nonzero)}: a backward ran before hapc.compile), and a "
+            f"{kind} plan's stages cannot take them over: its first step would lack them. Call model.zero_grad() "
+            "before hapc.compile if they are not meant for the first step, or compile an SPMD plan "
+            "(pipeline=False, segmented=False), which adds them into the module's first step as DDP does"
+        )
+    if kind != "spmd":
+        for _, p in held:
+            p.grad = None
+
+
+def _some(names: list[str]) -> str:
+    """Up to three quoted names, then how many more ("on another rank" for none: a rank that holds
+    none refuses with the ranks that do)."""
+    if not names:
+        return "on another rank"
+    return ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def clear_no_grads(model: nn.Module) -> None:
