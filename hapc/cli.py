@@ -18,6 +18,7 @@ from __future__ import annotations
 # not wait for torch. The commands import what they need.
 import argparse
 import ast
+import contextlib
 import json
 import os
 import sys
@@ -254,30 +255,12 @@ def _input_names(model: Any) -> list[str]:
 # -- hapc synth --------------------------------------------------------------------------------
 
 
-def cmd_synth(ns: argparse.Namespace) -> int:
-    from collections import Counter
+def _choose(ns: argparse.Namespace, model: Any, inputs: Any, cluster: Any, kind: str, progress: Any, shown: Any) -> Any:
+    """:func:`hapc.planner.choose_plan` as ``hapc synth`` asks it; ``shown``: a rich status line
+    naming each entry as it is priced (None: nothing shown)."""
+    from .planner import KINDS, choose_plan
 
-    from .cluster import Cluster
-
-    check_model_spec(ns.model)  # usage errors -- the model's name, the cluster -- before torch is imported
-    cluster = Cluster.load(ns.cluster)
-    _without_gc_pauses(ns)
-    if getattr(ns, "entry", False):  # the hapc process itself: sub-mesh kinds synthesized on 2 cores
-        from .pipeline import stagecost
-
-        stagecost.WORKERS = min(2, os.cpu_count() or 1)
-    from .planner import choose_plan, kinds_table
-
-    console = _console()
-    model, inputs = load_model(ns.model, ns.arg)
-    kind = "pipeline" if ns.pipeline else ns.kind
-    if kind == "pipeline":
-        return _synth_pipeline(ns, model, inputs, cluster, console)
-
-    def progress(stats, score):
-        console.print(f"[dim]  searching: {stats.expanded} expanded, {stats.generated} generated, score {score:.4g}[/]")
-
-    choice = choose_plan(
+    return choose_plan(
         model,
         cluster,
         inputs,
@@ -295,7 +278,37 @@ def cmd_synth(ns: argparse.Namespace) -> int:
         progress=progress,
         recompute=ns.recompute,
         outputs=ns.outputs,
+        on_price=None if shown is None else lambda what: shown.update(f"pricing {what}"),
     )
+
+
+def cmd_synth(ns: argparse.Namespace) -> int:
+    from collections import Counter
+
+    from .cluster import Cluster
+
+    check_model_spec(ns.model)  # usage errors -- the model's name, the cluster -- before torch is imported
+    cluster = Cluster.load(ns.cluster)
+    _without_gc_pauses(ns)
+    if getattr(ns, "entry", False):  # the hapc process itself: sub-mesh kinds synthesized on 2 cores
+        from .pipeline import stagecost
+
+        stagecost.WORKERS = min(2, os.cpu_count() or 1)
+    from .planner import kinds_table
+
+    console = _console()
+    model, inputs = load_model(ns.model, ns.arg)
+    kind = "pipeline" if ns.pipeline else ns.kind
+    if kind == "pipeline":
+        return _synth_pipeline(ns, model, inputs, cluster, console)
+
+    def progress(stats, score):
+        console.print(f"[dim]  searching: {stats.expanded} expanded, {stats.generated} generated, score {score:.4g}[/]")
+
+    # on a terminal, what is being priced (a cost-chosen default may price dozens of pipelines)
+    waiting = console.status("planning") if console.is_terminal else contextlib.nullcontext()
+    with waiting as shown:
+        choice = _choose(ns, model, inputs, cluster, kind, progress, shown)
     if choice.kind == "pipeline":
         console.print(kinds_table(choice.kinds))
         unused = [o for o, v in (("--show-program", ns.show_program), ("--emit-code", ns.emit_code)) if v]

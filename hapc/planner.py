@@ -58,7 +58,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -555,6 +555,7 @@ def choose_plan(
     recompute: str = "auto",
     prune: bool = True,
     outputs: str = "whole",
+    on_price: Callable[[str], None] | None = None,
 ) -> PlanChoice:
     """Price every plan kind in ``kinds`` for ``model`` on ``cluster`` and pick the fastest.
 
@@ -583,7 +584,10 @@ def choose_plan(
     adds their broadcast from the stage computing them to every rank (:func:`outputs_seconds`),
     while a choice between kinds leaves the pipeline out for a model returning one whose dim 0 is
     not the batch (:func:`outputs_blocker`), and the SPMD and per-segment kinds add their programs'
-    gather of them (``hapc.collectives.output_whole``; :func:`gather_seconds`). A ``time_limit`` in
+    gather of them (``hapc.collectives.output_whole``; :func:`gather_seconds`). ``on_price``: called
+    with each entry's label (``"spmd"``, ``"segmented (2 segments (flops))"``, ``"pipeline x2
+    (strided) [16 micro]"``) just before it is priced (``hapc synth`` shows it while it waits); a
+    pipeline or per-segment entry pruned without pricing is announced too. A ``time_limit`` in
     ``synth_options`` bounds the SPMD search and, with a budget of its own, every search of the
     pipeline's pricing (:func:`~hapc.synth.synthesizer.searches_until`): planning takes about twice
     it at most, plus tracing, deriving and the pipelines' non-search work.
@@ -612,6 +616,8 @@ def choose_plan(
             continue
         t0 = time.perf_counter()
         if kind == "spmd":
+            if on_price is not None:
+                on_price(kind)
             timings = {}
             if theory is None:
                 graph = trace(model, example_inputs, **(trace_options or {}))
@@ -660,6 +666,7 @@ def choose_plan(
                 spmd_time,
                 above=least if prune else None,
                 outputs=outputs,
+                on_price=on_price,
             )
             for est, splan in priced:
                 out.append(est)
@@ -702,7 +709,7 @@ def choose_plan(
             entries = _price_pipelines(
                 model, cluster, example_inputs, batch, B, theory_options, replicas, labelled=searched,
                 t0=time.perf_counter(), recompute=recompute, above=above if prune else None,
-                outputs=outputs,
+                outputs=outputs, on_price=on_price,
             )  # fmt: skip
             for est, pplan in entries:
                 out.append(est)
@@ -747,6 +754,7 @@ def _price_pipelines(
     recompute: str = "auto",
     above: float | None = None,
     outputs: str = "whole",
+    on_price: Callable[[str], None] | None = None,
 ) -> list[tuple[KindEstimate, Any]]:
     """The pipeline, and its data-parallel replicas, priced at ``num_micro`` micro-batches: one
     ``(estimate, plan or None)`` per replica count and layout. ``labelled``: say the count in the
@@ -806,7 +814,7 @@ def _price_pipelines(
         _price_candidates(
             model, cluster, micro, th, layers, candidates, visit, slots, cache,
             num_micro=num_micro, rows=rows, tag=tag, t0=t0, recompute=recompute, above=above,
-            outputs=outputs,
+            outputs=outputs, on_price=on_price,
         )  # fmt: skip
     finally:
         ahead = cache.pop("ahead", None)
@@ -833,6 +841,7 @@ def _price_candidates(
     recompute: str,
     above: float | None,
     outputs: str = "whole",
+    on_price: Callable[[str], None] | None = None,
 ) -> None:
     """:func:`_price_pipelines`' loop: each candidate in ``visit`` order planned (or pruned, or found
     infeasible) into its slot. A candidate is pruned against estimates that include the hand-back
@@ -844,6 +853,8 @@ def _price_candidates(
     for i in visit:
         R, layout = candidates[i]
         label = (kind if R == 1 else f"{kind} x{R} ({layout})") + tag
+        if on_price is not None:
+            on_price(label)
         t1 = time.perf_counter()
         least = above
         for j, done in enumerate(slots):
@@ -924,6 +935,7 @@ def _price_segmented(
     spmd_time: float = math.inf,
     above: float | None = None,
     outputs: str = "whole",
+    on_price: Callable[[str], None] | None = None,
 ) -> list[tuple[KindEstimate, Any]]:
     """Per-segment ratios (HAP §5.2) at the candidate cut sets (:func:`hapc.segmented.candidate_cuts`):
     one ``(estimate, plan or None)`` each, as the pipeline's micro-batch counts only those priced. Two
@@ -954,6 +966,8 @@ def _price_segmented(
             continue
         t0 = time.perf_counter()
         name = f"segmented ({label})"
+        if on_price is not None:
+            on_price(name)
         floor = segmented_floor(cluster, len(cuts), theory_options.get("precision"))
         if above is not None and floor >= above:
             why = (

@@ -178,11 +178,13 @@ def test_the_all_reduce_across_replicas_is_priced_as_the_gradient_all_reduce():
 
 def test_the_planner_prices_every_replica_count():
     model, inputs = _model("gpt")
-    choice = choose_plan(model, hosts(), inputs, num_micro=4)
+    seen: list[str] = []
+    choice = choose_plan(model, hosts(), inputs, num_micro=4, on_price=seen.append)
     labels = [k.kind for k in choice.kinds]
     # per-segment ratios last: not applicable on one device group
     pipes = ["pipeline", "pipeline x2 (blocked)", "pipeline x2 (strided)", "pipeline x4 (blocked)"]
     assert labels == ["spmd", *pipes, "segmented"]
+    assert seen == ["spmd", *pipes], "each entry announced as its pricing starts (hapc synth's status line)"
     priced = [k for k in choice.kinds if math.isfinite(k.time)]
     best = min(priced, key=lambda k: k.time)
     assert best.status == "chosen" and choice.time == best.time
