@@ -691,19 +691,17 @@ class StaleParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in _WRITES or _describes(func) or _all_in_sync(args, kwargs):
+        if func in _WRITES or _describes(func) or all(map(_in_sync, _stale_leaves(args, kwargs))):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         raise _stale_use(getattr(func, "__name__", None) or repr(func))
 
 
-def _all_in_sync(args: tuple, kwargs: dict) -> bool:
-    """Whether every :class:`StaleParameter` operand of a call (in lists too: ``torch._foreach_lerp_``)
-    is :func:`_in_sync`; False where none is found (one in a container the walk does not open)."""
+def _stale_leaves(args: tuple, kwargs: dict) -> list[StaleParameter]:
+    """The :class:`StaleParameter` operands of a call (in lists too: ``torch._foreach_lerp_``)."""
     from torch.utils._pytree import tree_leaves
 
-    found = [x for x in tree_leaves((args, kwargs)) if isinstance(x, StaleParameter)]
-    return bool(found) and all(map(_in_sync, found))
+    return [x for x in tree_leaves((args, kwargs)) if isinstance(x, StaleParameter)]
 
 
 def _in_sync(p: StaleParameter) -> bool:
