@@ -538,6 +538,10 @@ def search_micro(price: Any, candidates: Sequence[int], start: int) -> int:
     return min(times, key=lambda k: (times[k], k))
 
 
+def _quiet(label: str) -> None:
+    """The default ``on_price`` of the pricing helpers: announce nothing."""
+
+
 def choose_plan(
     model: torch.nn.Module,
     cluster: Cluster | str,
@@ -602,6 +606,7 @@ def choose_plan(
     if unknown or not kinds:
         raise HapcError(f"unknown plan kind(s) {unknown or list(kinds)}; choose from {', '.join(KINDS)}")
     cluster = Cluster.load(cluster) if not isinstance(cluster, Cluster) else cluster
+    announce = on_price or _quiet
     synth_options = dict(synth_options or {})
     theory_options = {"sfb": True, "variants": ("padded", "grouped"), "param_comm": False, "strict": False,
                       **(theory_options or {})}  # fmt: skip
@@ -616,8 +621,7 @@ def choose_plan(
             continue
         t0 = time.perf_counter()
         if kind == "spmd":
-            if on_price is not None:
-                on_price(kind)
+            announce(kind)
             timings = {}
             if theory is None:
                 graph = trace(model, example_inputs, **(trace_options or {}))
@@ -666,7 +670,7 @@ def choose_plan(
                 spmd_time,
                 above=least if prune else None,
                 outputs=outputs,
-                on_price=on_price,
+                on_price=announce,
             )
             for est, splan in priced:
                 out.append(est)
@@ -709,7 +713,7 @@ def choose_plan(
             entries = _price_pipelines(
                 model, cluster, example_inputs, batch, B, theory_options, replicas, labelled=searched,
                 t0=time.perf_counter(), recompute=recompute, above=above if prune else None,
-                outputs=outputs, on_price=on_price,
+                outputs=outputs, on_price=announce,
             )  # fmt: skip
             for est, pplan in entries:
                 out.append(est)
@@ -754,7 +758,7 @@ def _price_pipelines(
     recompute: str = "auto",
     above: float | None = None,
     outputs: str = "whole",
-    on_price: Callable[[str], None] | None = None,
+    on_price: Callable[[str], None] = _quiet,
 ) -> list[tuple[KindEstimate, Any]]:
     """The pipeline, and its data-parallel replicas, priced at ``num_micro`` micro-batches: one
     ``(estimate, plan or None)`` per replica count and layout. ``labelled``: say the count in the
@@ -841,7 +845,7 @@ def _price_candidates(
     recompute: str,
     above: float | None,
     outputs: str = "whole",
-    on_price: Callable[[str], None] | None = None,
+    on_price: Callable[[str], None] = _quiet,
 ) -> None:
     """:func:`_price_pipelines`' loop: each candidate in ``visit`` order planned (or pruned, or found
     infeasible) into its slot. A candidate is pruned against estimates that include the hand-back
@@ -853,8 +857,7 @@ def _price_candidates(
     for i in visit:
         R, layout = candidates[i]
         label = (kind if R == 1 else f"{kind} x{R} ({layout})") + tag
-        if on_price is not None:
-            on_price(label)
+        on_price(label)
         t1 = time.perf_counter()
         least = above
         for j, done in enumerate(slots):
@@ -935,7 +938,7 @@ def _price_segmented(
     spmd_time: float = math.inf,
     above: float | None = None,
     outputs: str = "whole",
-    on_price: Callable[[str], None] | None = None,
+    on_price: Callable[[str], None] = _quiet,
 ) -> list[tuple[KindEstimate, Any]]:
     """Per-segment ratios (HAP §5.2) at the candidate cut sets (:func:`hapc.segmented.candidate_cuts`):
     one ``(estimate, plan or None)`` each, as the pipeline's micro-batch counts only those priced. Two
@@ -966,8 +969,7 @@ def _price_segmented(
             continue
         t0 = time.perf_counter()
         name = f"segmented ({label})"
-        if on_price is not None:
-            on_price(name)
+        on_price(name)
         floor = segmented_floor(cluster, len(cuts), theory_options.get("precision"))
         if above is not None and floor >= above:
             why = (

@@ -792,12 +792,9 @@ class PipelineModule(HapcModule):
             return msg[:numel].view(shape)
         return out.copy_(msg[:numel].view(shape))
 
-    def _buffer(
-        self, shape: tuple[int, ...], dtype: torch.dtype, pool: list[torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """A receive buffer (activations, from ``pool``, default :attr:`_pool`): one a finished
-        micro-batch gave back, or a new one."""
-        pool = self._pool if pool is None else pool
+    def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An activation receive buffer: one a finished micro-batch gave back, or a new one."""
+        pool = self._pool
         for i, b in enumerate(pool):
             if b.shape == shape and b.dtype == dtype:
                 return pool.pop(i)
