@@ -436,7 +436,7 @@ def _drop_samples(
     return input * noise.view(*shape, *([1] * (input.dim() - 1))) if input.dim() else input * noise[0]
 
 
-def _eager_under_compile(fn: Callable) -> Callable:
+def eager_under_compile(fn: Callable) -> Callable:
     """``torch.compiler.disable(fn)``, applied on the first call made while ``torch._dynamo`` is
     loaded: decorating at import would import dynamo (and inductor), about 1 s of every cold start.
     Without dynamo loaded nothing can be compiling, so ``fn`` runs as is."""
@@ -453,7 +453,7 @@ def _eager_under_compile(fn: Callable) -> Callable:
     return inner
 
 
-@_eager_under_compile  # eager under torch.compile: int64 wrap-around must not be constant-folded
+@eager_under_compile  # eager under torch.compile: int64 wrap-around must not be constant-folded
 def _mask_scale(
     stream: RandomStream, op: str, p: float, shape: tuple, starts: tuple, full: tuple, device: Any, dtype: Any
 ) -> torch.Tensor:

@@ -174,3 +174,40 @@ def test_torch_compile_of_the_module_is_not_mistaken_for_a_hook():
     for got_loss, grads in run_distributed(_compiled, 2, timeout=300):
         assert got_loss == pytest.approx(float(loss), rel=1e-12)
         assert_close(grads, want, F64, "gradients")
+
+
+def _compiled_guard(rank, world):
+    model, inputs = models.load("mlp", dtype=F64)
+    inner = hapc.compile(model, TWO, inputs)
+    m = torch.compile(inner)
+    m(*inputs).backward()
+    norm = float(next(model.parameters()).detach().norm())  # in sync: the model's weights read
+    refused = []
+    model.layers[0].eval()  # a part switched alone, after the module ran compiled
+    try:
+        m(*inputs)
+    except HapcError as e:
+        refused.append(str(e))
+    model.train()
+    with torch.no_grad():  # a manual step: no optimizer hook sees it
+        for p in inner.parameters():
+            p.sub_(0.05 * p.grad)
+    try:
+        next(model.parameters()).sum()
+    except HapcError as e:
+        refused.append(str(e))
+    return norm, refused
+
+
+def test_the_models_guard_runs_at_every_call_of_a_module_under_torch_compile():
+    """The guard's checks before each forward run eagerly under ``torch.compile`` (a graph break):
+    traced, dynamo met the model's guarded parameters' version counters and recursed through
+    their ``__torch_function__``. A part of the model switched to eval alone is refused at the next
+    compiled call, and a manual step makes the model's parameters refuse a read at once."""
+    model, _ = models.load("mlp", dtype=F64)
+    want = float(next(model.parameters()).detach().norm())
+    for norm, refused in run_distributed(_compiled_guard, 2, timeout=300):
+        assert norm == pytest.approx(want, rel=1e-12)
+        assert len(refused) == 2, refused
+        assert "switched to another train/eval mode on its own" in refused[0]
+        assert "trained past" in refused[1] and "module.unwrap()" in refused[1]

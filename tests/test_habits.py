@@ -486,6 +486,48 @@ def test_an_ema_of_the_original_model_is_refused_while_it_is_stale(world, kind):
         assert_close(got, want, F64, "the EMA after two updates")
 
 
+def _manual_step(params, lr: float = 0.05) -> None:
+    with torch.no_grad():
+        for p in params:
+            p.sub_(lr * p.grad)
+
+
+def _ema_after_a_manual_step(rank, world, plan):
+    model, inputs = models.load("mlp", dtype=F64)
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    m = hapc.compile(model, CLUSTERS[world], inputs, plan=plan)
+    m(*inputs).backward()
+    # in sync until the module's state moves: reads, copies and saves of the model still work
+    norms = [float(p.detach().norm()) for p in model.parameters()]
+    assert all(type(p) is nn.Parameter for p in copy.deepcopy(model).parameters()), "a copy in sync is plain"
+    torch.save(model.state_dict(), io.BytesIO())
+    _manual_step(m.parameters())  # no optimizer: no step hook sees it
+    with pytest.raises(hapc.HapcError, match=r"trained past.*module\.unwrap\(\)"):
+        ema.update_parameters(model)  # before the module's next forward: averaged the compiled-with weights
+    m.unwrap()
+    ema.update_parameters(model)
+    return norms, {k: v.clone() for k, v in ema.module.state_dict().items()}
+
+
+@pytest.mark.parametrize("world, kind", [(2, "default"), (3, "tp")])
+def test_a_manual_step_makes_the_original_model_stale_at_once(world, kind):
+    """A step not made by an optimizer (``p.sub_(lr * p.grad)`` over ``module.parameters()``) has no
+    hook: the model's parameters went stale only at the module's next forward, so an EMA read between
+    the step and that forward averaged the weights the model was compiled with, silently. From the
+    module's first forward each use of the model's parameters asks whether the module has moved:
+    reads before the step see the (current) weights, the read after it raises."""
+    model, inputs = models.load("mlp", dtype=F64)
+    norms = [float(p.detach().norm()) for p in model.parameters()]
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    model(*inputs).backward()
+    _manual_step(model.parameters())
+    ema.update_parameters(model)
+    want = ema.module.state_dict()
+    for got_norms, got in run_distributed(_ema_after_a_manual_step, world, _plan("mlp", world, kind)):
+        assert got_norms == pytest.approx(norms, rel=1e-12)
+        assert_close(got, want, F64, "the EMA after unwrap()")
+
+
 # -- item 2: ranks given different targets the plan takes whole ---------------------------------------
 
 

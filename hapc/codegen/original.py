@@ -58,15 +58,15 @@ plan refuses it unless it is all zero, and every plan refuses one held by a froz
 
 Its parameters' values go stale the same way, and reading them is how an EMA is usually kept:
 ``AveragedModel(model).update_parameters(model)``, or ``ema_p.lerp_(p, ...)`` over
-``model.parameters()``, would average the weights the model was compiled with, silently. So once
-an optimizer has stepped the module past the model (a global optimizer step post-hook), each of
-the model's ``nn.Parameter`` objects becomes a :class:`StaleParameter` (its class switched in
-place, as :mod:`hapc.codegen.grad_norm` does for gradients): any use of its values raises, naming
-``module.unwrap()`` and the module's parameters, while describing it and writing into it
-(``load_state_dict``, which brings the model back in sync) still work. ``module.unwrap()`` or a
-``load_state_dict`` switches them back to ``nn.Parameter``. (A step not made by an optimizer -- a
-hand-written ``p.sub_(lr * p.grad)`` over the module's parameters -- is caught at the module's
-next forward.)
+``model.parameters()``, would average the weights the model was compiled with, silently. So from
+the module's first forward on, each of the model's ``nn.Parameter`` objects is a
+:class:`StaleParameter` (its class switched in place, as :mod:`hapc.codegen.grad_norm` does for
+gradients): each use of its values asks whether the module's state has moved since the model
+last received it -- an optimizer's step, a hand-written ``p.sub_(lr * p.grad)`` over the module's
+parameters, running statistics -- and raises once it has, naming ``module.unwrap()`` and the
+module's parameters, while describing it and writing into it (``load_state_dict``, which brings
+the model back in sync) still work. ``module.unwrap()`` or a ``load_state_dict`` switches them
+back to ``nn.Parameter``.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import HapcError, ModelAttributeError, wrapped_model_error
+from ..ops import eager_under_compile
 
 _ATTR = "_hapc_guard"
 
@@ -105,7 +106,9 @@ class Guard:
             model.register_forward_pre_hook(_on_use),
             model.register_state_dict_pre_hook(_on_state_dict),
             model.register_load_state_dict_post_hook(_on_load),
-            owner.register_forward_pre_hook(self._before_forward),
+            # eager under torch.compile (a graph break): every check runs at every call, and dynamo
+            # never traces a StaleParameter's version counter (it recursed through __torch_function__)
+            owner.register_forward_pre_hook(eager_under_compile(self._before_forward)),
         ]
         # instance attributes win over the class's method: model.eval() (-> self.train(False)) lands here
         model.__dict__["train"] = _ModelTrain(model)
@@ -234,8 +237,8 @@ class Guard:
         model = self.model()
         if model is None or owner is not self.owner:  # a copy of the module (an EMA) is not guarded
             return
-        if self.moved and not self.poisoned:
-            self.poison()
+        if not self.poisoned:  # from now on the model may go stale without an optimizer (a manual step):
+            self.poison()  # its parameters check the module at each use (StaleParameter)
         mods = _Tree.of(model)  # one walk for both checks, remembered while the model's tree holds
         # a module that has trained (stale) may see its model changed (weights loaded to evaluate):
         # once it is known to have moved, the model's tensors are not walked at every step. A
@@ -649,8 +652,10 @@ def clear_no_grads(model: nn.Module) -> None:
 
 
 class StaleParameter(nn.Parameter):
-    """A parameter of a model given to ``hapc.compile`` once the compiled module has trained past
-    it: it still holds the weights the model was compiled with, so any use of its values raises.
+    """A parameter of a model given to ``hapc.compile``, from its module's first forward on: once
+    the module has trained past it (an optimizer's step or a manual one) it still holds the weights
+    the model was compiled with, so any use of its values raises; until then each use asks the
+    model's guard and runs (:func:`_in_sync`).
 
     Describing it (shape, dtype, device, ``requires_grad``, ``.grad``) answers truly, and writing
     into it (``copy_``: ``model.load_state_dict``, which brings the model back in sync) works.
@@ -666,29 +671,54 @@ class StaleParameter(nn.Parameter):
         hapc.errors.HapcError: ... has trained past ... module.unwrap() ...
     """
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> StaleParameter:
-        """A copy of a stale model is just as stale (its guard is the model's: :meth:`Guard.__deepcopy__`)."""
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
+        """A copy of a stale model is just as stale (its guard is the model's: :meth:`Guard.__deepcopy__`);
+        one taken while the module has not moved yet is a plain parameter of those (current) weights."""
         with torch._C.DisableTorchFunctionSubclass():
             out = nn.Parameter(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
-        out.__class__ = StaleParameter
+        if not _in_sync(self):
+            out.__class__ = StaleParameter
         memo[id(self)] = out
         return out
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        """``torch.save(model)``: refused by the model's guard, which says why and what to do."""
+        """``torch.save(model)``: refused by the model's guard, which says why and what to do (a
+        parameter of a model still in sync pickles as a plain one)."""
         ref = _GUARD_OF.get(self)
         g = ref() if ref is not None else None
         if g is not None:
             g.check("torch.save(model)")
+            return nn.Parameter.__reduce_ex__(self, protocol)
         raise _stale_use("pickling")
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in _WRITES or _describes(func):
+        if func in _WRITES or _describes(func) or _all_in_sync(args, kwargs):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         raise _stale_use(getattr(func, "__name__", None) or repr(func))
+
+
+def _all_in_sync(args: tuple, kwargs: dict) -> bool:
+    """Whether every :class:`StaleParameter` operand of a call (in lists too: ``torch._foreach_lerp_``)
+    is :func:`_in_sync`; False where none is found (one in a container the walk does not open)."""
+    from torch.utils._pytree import tree_leaves
+
+    found = [x for x in tree_leaves((args, kwargs)) if isinstance(x, StaleParameter)]
+    return bool(found) and all(map(_in_sync, found))
+
+
+def _in_sync(p: StaleParameter) -> bool:
+    """Whether ``p``'s model still holds its module's state: a model's parameters become
+    :class:`StaleParameter` at the module's first forward (:meth:`Guard.poison`), and their values
+    may be used until the module's state moves -- an optimizer step, a manual one (``p.sub_(lr *
+    p.grad)`` over ``module.parameters()``), running statistics -- each use asking the guard
+    (:meth:`Guard.stale`: the owner's version counters, walked until it has moved, then
+    remembered). A copy of a stale parameter has no guard: never in sync."""
+    ref = _GUARD_OF.get(p)
+    g = ref() if ref is not None else None
+    return g is not None and not g.stale()
 
 
 def _stale_use(name: str) -> HapcError:
