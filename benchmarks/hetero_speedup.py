@@ -3,10 +3,10 @@
 Two local gloo processes, each pinned to a core of its own, the second slowed to half a core by a
 rival process sharing its core (:mod:`hapc.emulate`; labelled **emulated** in every output). The
 cluster hapc plans for is *measured* on those processes by ``hapc.profile`` (as ``hapc profile
---local 2 --speeds 1,0.5`` does), so the speeds come from the machine, not from a preset; its
-collectives are timed by what
-the runtime's implementation adds to a program computing between them
-(``hapc.profile.measure_collectives(marginal=True)``, as ``benchmarks/fidelity.py`` does). For each
+--local 2 --speeds 1,0.5 --marginal --gap 5ms`` does), so the speeds come from the machine, not from
+a preset; its collectives are timed by what the runtime's implementation adds to a program
+computing 5 ms between them (``hapc.profile.measure_collectives(marginal=True)``, as
+``benchmarks/fidelity.py`` does with 0.5 ms; :data:`PROFILE_GAP` says why longer here). For each
 model, in the same processes and interleaved in blocks (noise hits all alike):
 
 * **hapc**: the plan ``hapc.synthesize`` picks on the profiled cluster, fed the global batch (the
@@ -85,13 +85,30 @@ CASES: dict[str, tuple[str, dict, dict]] = {
 }
 
 
+#: seconds of computation between the collectives the profile times (``hapc profile --marginal --gap``):
+#: about what these cases' programs compute between two collectives (VGG's
+#: predicted stages 1-25 ms), not fidelity.py's 0.5 ms. Under the rival emulation a collective's cost grows with
+#: the burst before it: the slow rank's compute thread gets its half of the core in scheduler slices
+#: of a few ms, so at each collective the other rank waits, on average, for part of the rival's slice.
+#: Measured (2 ranks at 1.0 / 0.5, each computing 2 ms of its own work then all-reducing 16 floats):
+#: 6.1 ms a round against 2.3 ms at even speeds; profiled with 0.5 ms bursts the all-reduce's alpha
+#: came out 1.9 ms, with 5 ms bursts 7.3 ms (all-gather 2.7 -> 7.1, reduce-scatter 3.0 -> 8.1).
+#: With the short bursts the planner underpriced the collectives a sharded plan puts in every stage:
+#: it chose a TP plan for the MLP predicted 1.05x faster than its DP-CP that measured 0.90x, and
+#: predicted VGG's TP plan 1.41x faster than DP-CP where it measured 1.18x.
+PROFILE_GAP = 5e-3
+
+
 def _profile_job(rank: int, world: int, reps: int) -> str:
-    from fidelity_measure import CALLS, GAP
+    from fidelity_measure import CALLS
 
     from hapc.profile import profile
 
-    # fp32 plans only; collectives timed by what they add to a program (as benchmarks/fidelity.py)
-    cluster, _ = profile(reps=reps, gemm=512, gap=GAP, marginal=True, calls=CALLS, half=(), name="emulated-1-0.5")
+    # fp32 plans only; collectives timed by what they add to a program (fidelity.py's method) after
+    # bursts as long as these programs compute between collectives (PROFILE_GAP)
+    cluster, _ = profile(
+        reps=reps, gemm=512, gap=PROFILE_GAP, marginal=True, calls=CALLS, half=(), name="emulated-1-0.5"
+    )
     return cluster.to_toml()
 
 

@@ -455,7 +455,7 @@ def cmd_profile(ns: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from .cluster import Cluster
-    from .quantities import SIZE, parse_quantity
+    from .quantities import SIZE, TIME, parse_quantity
 
     console = _console()
     sizes = tuple(int(parse_quantity(s.strip(), "--sizes", SIZE)) for s in ns.sizes.split(","))
@@ -463,10 +463,15 @@ def cmd_profile(ns: argparse.Namespace) -> int:
     if any(p not in ("bf16", "fp16") for p in half):
         raise HapcError(f"--half takes bf16, fp16 or both separated by a comma (none: neither), got {ns.half!r}")
     kwargs = {"sizes": sizes, "reps": ns.reps, "gemm": ns.gemm, "half": half, "name": ns.name, "out": ns.out}
+    if ns.gap is not None and not ns.marginal:
+        raise HapcError("--gap is the computation between the collectives --marginal times: give it with --marginal")
     if ns.marginal:  # as benchmarks/fidelity.py profiles: what each collective adds to a program
         from .profile import MARGINAL_CALLS, MARGINAL_GAP
 
-        kwargs |= {"gap": MARGINAL_GAP, "marginal": True, "calls": MARGINAL_CALLS}
+        gap = MARGINAL_GAP if ns.gap is None else parse_quantity(ns.gap.strip(), "--gap", TIME)
+        if gap <= 0:
+            raise HapcError(f"--gap must be a positive time (e.g. 5ms), got {ns.gap!r}")
+        kwargs |= {"gap": gap, "marginal": True, "calls": MARGINAL_CALLS}
     if ns.speeds and ns.local is None:
         raise HapcError("--speeds emulates device speeds on local processes: give it with --local N")
     if ns.local is not None:
@@ -659,6 +664,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="time each collective by what it adds between bursts of computation (0.5 ms, 4 calls per burst), "
         "as a program meets it, instead of alone after a barrier: closer measured step times on shared CPU hosts",
+    )
+    f.add_argument(
+        "--gap",
+        metavar="TIME",
+        help="with --marginal: the computation between the timed collectives (default 0.5ms); give about what "
+        "your program computes between its collectives -- on emulated slow ranks (--speeds) a collective "
+        "after a longer burst also waits longer for the slow rank's turn on its core",
     )
     f.add_argument("--json", metavar="PATH", help="also write the raw measurements")
     f.set_defaults(fn=cmd_profile)

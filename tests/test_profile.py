@@ -135,6 +135,19 @@ def test_cli_profile_marginal_times_collectives_between_bursts(tmp_path):
     assert json.loads(raw.read_text())["collective_timing"] == {"method": "marginal", "gap": 5e-4, "calls": 4}
     assert main([*argv, "--json", str(raw)]) == 0
     assert json.loads(raw.read_text())["collective_timing"] == {"method": "barrier", "gap": 0.0}
+    # --gap: the bursts as long as a program computes between its collectives
+    assert main([*argv, "--marginal", "--gap", "2ms", "--json", str(raw)]) == 0
+    assert json.loads(raw.read_text())["collective_timing"] == {"method": "marginal", "gap": 2e-3, "calls": 4}
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [(["--gap", "2ms"], "give it with --marginal"), (["--marginal", "--gap", "0"], "positive time"),
+     (["--marginal", "--gap", "2 parsecs"], "expected s, ms")],
+)  # fmt: skip
+def test_cli_profile_gap_refuses_what_it_cannot_time(extra, says, capsys):
+    assert main(["profile", "--local", "2", "--reps", "1", *extra]) == 2
+    assert says in capsys.readouterr().err
 
 
 def test_cli_profile_outside_torchrun_says_how_to_start(monkeypatch, capsys):
