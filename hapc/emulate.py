@@ -25,6 +25,14 @@ the CFS quota (period 10 ms), with the caveat above (:meth:`Emulation.describe` 
 Only the rank's compute thread is slowed (cgroup v1 places single threads): the communication threads
 (gloo's) run free, on any core, as a slower GPU's links are no slower; :func:`apply` says why.
 
+What the emulation adds that a slower GPU does not: the slow rank computes in the scheduler's slices
+(a few ms each, alternating with the rival), so at every collective its peers wait, on average, for
+part of a rival slice. Measured on this project's 2-core host (kernel 6.18, ranks at 1.0 / 0.5, each
+computing 2 ms of its own work between all-reduces of 16 floats): 6.1 ms a round, against 2.3 ms at
+even speeds. A plan with a collective in every stage pays it at each; profile the collectives after
+bursts as long as the program's stages (``hapc profile --marginal --gap 5ms``) so that the plans are
+priced as they run here (``benchmarks/hetero_speedup.py``'s ``PROFILE_GAP``).
+
 The controller must be writable (root in a container whose cgroup file system is mounted read-write,
 as on this project's machines); :func:`how` says whether it is, and every result measured under it is
 labelled "emulated". Where it is not, :func:`apply` raises :class:`~hapc.errors.HapcError` naming the
@@ -32,6 +40,7 @@ cause: a silent fallback would report an even cluster as a heterogeneous one.
 
     run_distributed(fn, 2, speeds=[1.0, 0.5])       # rank 1 runs at half speed
     hapc profile --local 2 --speeds 1,0.5           # measures it: two device groups
+    hapc profile --local 2 --speeds 1,0.5 --marginal --gap 5ms   # collectives as a 5 ms-stage program meets them
 """
 
 from __future__ import annotations
