@@ -86,16 +86,14 @@ CASES: dict[str, tuple[str, dict, dict]] = {
 
 
 #: seconds of computation between the collectives the profile times (``hapc profile --marginal --gap``):
-#: about what these cases' programs compute between two collectives (VGG's
-#: predicted stages 1-25 ms), not fidelity.py's 0.5 ms. Under the rival emulation a collective's cost grows with
-#: the burst before it: the slow rank's compute thread gets its half of the core in scheduler slices
-#: of a few ms, so at each collective the other rank waits, on average, for part of the rival's slice.
-#: Measured (2 ranks at 1.0 / 0.5, each computing 2 ms of its own work then all-reducing 16 floats):
-#: 6.1 ms a round against 2.3 ms at even speeds; profiled with 0.5 ms bursts the all-reduce's alpha
-#: came out 1.9 ms, with 5 ms bursts 7.3 ms (all-gather 2.7 -> 7.1, reduce-scatter 3.0 -> 8.1).
-#: With the short bursts the planner underpriced the collectives a sharded plan puts in every stage:
-#: it chose a TP plan for the MLP predicted 1.05x faster than its DP-CP that measured 0.90x, and
-#: predicted VGG's TP plan 1.41x faster than DP-CP where it measured 1.18x.
+#: about what these cases' programs compute between two collectives (VGG's predicted stages 1-25 ms),
+#: not fidelity.py's 0.5 ms. Under the rival emulation each collective also waits for the slow rank's
+#: turn on its core, more after a longer burst (:mod:`hapc.emulate` gives the measurement); profiled
+#: with 0.5 ms bursts the all-reduce's alpha came out 1.9 ms, with 5 ms bursts 7.3 ms (all-gather
+#: 2.7 -> 7.1, reduce-scatter 3.0 -> 8.1), and with the short bursts the planner underpriced the
+#: collectives a sharded plan puts in every stage: it chose a TP plan for the MLP predicted 1.05x
+#: faster than its DP-CP that measured 0.90x, and predicted VGG's TP plan 1.41x faster than DP-CP
+#: where it measured 1.18x.
 PROFILE_GAP = 5e-3
 
 
