@@ -615,6 +615,7 @@ def choose_plan(
         theory_options["param_comm"] = True
     out: list[KindEstimate] = []
     plans: dict[str, Any] = {}
+    theory_graph: Any = None  # the batch's graph where no SPMD theory was derived (the pipeline's checks)
     for kind in KINDS:
         if kind not in kinds:
             out.append(KindEstimate(kind, "overridden", reason="not requested"))
@@ -684,6 +685,13 @@ def choose_plan(
             or (f"SPMD-only option(s) given: {', '.join(spmd_only)}" if spmd_only else None)
             or pipeline_blocker(model, cluster, example_inputs, num_micro)
         )
+        if blocker is None and num_micro != 1:
+            # micro-batches must compute what the batch does (scale_grad_by_freq, batch norm written out)
+            from .pipeline.runtime import batch_coupled
+
+            if theory is None:
+                theory_graph = trace(model, example_inputs, **(trace_options or {}))
+            blocker = batch_coupled(theory.graph if theory is not None else theory_graph)
         if blocker is None and "spmd" in kinds and theory is not None and outputs != "loss":
             # a choice between the kinds (the SPMD theory is there: it was priced first) must not pick a
             # pipeline that cannot hand the model's other returned tensors back
@@ -730,7 +738,7 @@ def choose_plan(
     best = min(priced, key=lambda k: k.time)  # the first priced (SPMD, then fewer replicas) on a tie
     best.status = "chosen"
     if theory is None:  # the SPMD kind was not asked for: trace for the model's flops
-        graph = trace(model, example_inputs, **(trace_options or {}))
+        graph = theory_graph if theory_graph is not None else trace(model, example_inputs, **(trace_options or {}))
     else:
         graph = theory.graph
     ideal = ideal_seconds(graph, cluster, getattr(theory, "precision", None) or theory_options.get("precision"))

@@ -271,6 +271,44 @@ def micro_batch_dims(model: nn.Module, batch: Any, graph: Any, num_micro: int) -
     return dims
 
 
+#: ops whose backward couples a batch's rows: op -> (position, keyword) of the flag that does it
+_BATCH_COUPLED = {
+    "embedding": (5, "scale_grad_by_freq"),  # F.embedding(input, weight, padding_idx, max_norm, norm_type, *)
+    "embedding_bag": (5, "scale_grad_by_freq"),  # F.embedding_bag(input, weight, offsets, max_norm, norm_type, *)
+    "batch_norm": (5, "training"),  # F.batch_norm(input, mean, var, weight, bias, *): written out (timm)
+}
+
+
+def batch_coupled(graph: Any) -> str | None:
+    """Why splitting the batch into micro-batches would change what ``graph`` computes (None: it
+    would not). A pipeline runs each micro-batch's forward and backward on its own and sums the
+    gradients: exact where each row's contribution does not depend on the other rows beyond the
+    loss's sum. Not so for an embedding with ``scale_grad_by_freq`` (each row of the weight's
+    gradient is divided by its token's count *in the batch*: per micro-batch the counts are smaller)
+    or batch norm in training mode (each micro-batch normalised by its own statistics). The SPMD
+    kinds compute both over the whole batch (the embedding's tokens stay whole, batch norm's
+    statistics are all-reduced)."""
+    from ..theory.graph import OP
+
+    for n in graph:
+        if n.kind != OP or n.op not in _BATCH_COUPLED:
+            continue
+        position, name = _BATCH_COUPLED[n.op]
+        flag = n.kwargs.get(name, n.args[position] if len(n.args) > position else False)
+        if flag is True:
+            what = "batch norm in training mode" if n.op == "batch_norm" else f"{n.op} with {name}=True"
+            why = (
+                "normalises each micro-batch by its own statistics"
+                if n.op == "batch_norm"
+                else "scales each row's gradient by its token's count in each micro-batch"
+            )
+            return (
+                f"{what} at {n.source} {why}, not the batch's as single-device training does; compile it "
+                "without a pipeline (pipeline=False)"
+            )
+    return None
+
+
 class PipelineModule(HapcModule):
     """This rank's stage of a pipeline. ``loss = module.train_step(*batch)`` runs forward and
     backward of every micro-batch by the schedule and leaves each local parameter with exactly
@@ -333,6 +371,9 @@ class PipelineModule(HapcModule):
         graph = trace(model, micro)
         # torch's own draws (torch.rand, bernoulli) would differ from one device's by micro-batch and rank
         refuse_random_ops(graph, max(world, spec.num_micro))
+        coupled = batch_coupled(graph) if spec.num_micro > 1 else None
+        if coupled is not None:
+            raise HapcError(coupled)
         self.input_names = list(graph.input_names)
         # calls bind as the model's forward binds them (positionally or by keyword); the model's
         # structure comes back with the loss in its place (hapc.codegen.calls)

@@ -602,7 +602,11 @@ def _conv(t, args, kwargs, node):
 @special("embedding")  # aten.embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse)
 def _embedding(t, args, kwargs, node):
     pad = _arg(args, kwargs, 2, "padding_idx", -1)
-    return t.emit(F.embedding, (args[1], args[0]), {"padding_idx": None if pad == -1 else pad}, node)
+    options = {"padding_idx": None if pad == -1 else pad}
+    for i, name in ((3, "scale_grad_by_freq"), (4, "sparse")):  # sparse is refused (trace._refuse_embedding_options)
+        if _arg(args, kwargs, i, name, False):
+            options[name] = True
+    return t.emit(F.embedding, (args[1], args[0]), options, node)
 
 
 @special("layer_norm")

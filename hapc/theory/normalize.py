@@ -5,7 +5,11 @@ to the rules; in ``y``'s dtype, as ``F.linear`` casts its bias under autocast): 
 separate is what lets the theory express Megatron's row-parallel linear (the product is
 ``Partial``; the bias is added after the all-reduce). ``nn.Conv2d`` likewise. Dropout with ``p == 0`` or in eval
 mode disappears. A module not in the table stays a leaf call and gets only the replicate
-triple unless a rule is registered for its class.
+triple unless a rule is registered for its class. A table module whose functional form does not
+cover its settings (``when=`` of :func:`normalises`: a ``padding_mode="reflect"`` convolution, an
+embedding with ``max_norm``, batch norm's cumulative average) is traced through like any other
+module: fx records what its own ``forward`` calls (``F.pad`` then the convolution), and the tracer
+refuses what it cannot replay (``max_norm``'s in-place renormalisation of the weight).
 """
 
 from __future__ import annotations
@@ -18,14 +22,21 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-Normaliser = Callable[[fx.Graph, nn.Module, str, dict], "fx.Node | None"]
+Normaliser = Callable[[fx.Graph, nn.Module, str, dict], fx.Node]
 NORMALISERS: dict[type, Normaliser] = {}
+#: module type -> whether its normaliser covers a given instance (absent: always)
+APPLIES: dict[type, Callable[[nn.Module], bool]] = {}
 
 
-def normalises(*types: type) -> Callable[[Normaliser], Normaliser]:
+def normalises(*types: type, when: Callable[[nn.Module], bool] | None = None) -> Callable[[Normaliser], Normaliser]:
+    """Register the functional form of ``types``; ``when(m)``: whether it covers instance ``m``
+    (otherwise ``m`` is traced through, its ``forward`` recorded op by op)."""
+
     def deco(fn: Normaliser) -> Normaliser:
         for t in types:
             NORMALISERS[t] = fn
+            if when is not None:
+                APPLIES[t] = when
         return fn
 
     return deco
@@ -55,10 +66,8 @@ def _linear(g, m, qual, a):
     return _add_bias(g, _call(g, F.linear, a["input"], _attr(g, qual, "weight")), m, qual)
 
 
-@normalises(nn.Conv1d, nn.Conv2d, nn.Conv3d)
+@normalises(nn.Conv1d, nn.Conv2d, nn.Conv3d, when=lambda m: m.padding_mode == "zeros")  # else F.pad first
 def _conv(g, m, qual, a):
-    if m.padding_mode != "zeros":
-        return None
     fn = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}[type(m)]
     y = _call(g, fn, a["input"], _attr(g, qual, "weight"), None, m.stride, m.padding, m.dilation, m.groups)
     return _add_bias(g, y, m, qual, channel_dims=len(m.kernel_size))
@@ -79,11 +88,12 @@ if hasattr(nn, "RMSNorm"):
         return _call(g, F.rms_norm, a["x"], tuple(m.normalized_shape), w, m.eps)
 
 
-@normalises(nn.Embedding)
+@normalises(nn.Embedding, when=lambda m: m.max_norm is None and not m.sparse)  # else refused (trace.py)
 def _embedding(g, m, qual, a):
-    if m.max_norm is not None or m.sparse:
-        return None  # renormalises the weight in place / sparse grads: keep as a leaf
-    return _call(g, F.embedding, a["input"], _attr(g, qual, "weight"), m.padding_idx)
+    w = _attr(g, qual, "weight")
+    if m.scale_grad_by_freq:  # the gradient of each row divided by its count in the batch
+        return _call(g, F.embedding, a["input"], w, m.padding_idx, scale_grad_by_freq=True)
+    return _call(g, F.embedding, a["input"], w, m.padding_idx)
 
 
 @normalises(nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
@@ -128,8 +138,11 @@ def _hf_drop_path(g, m, qual, a):
 
 
 def normaliser(m: nn.Module) -> Normaliser | None:
-    """The functional form of module ``m`` (None: it is no table module)."""
+    """The functional form of module ``m`` (None: it is no table module, or its form does not cover
+    its settings: it is traced through)."""
     norm = NORMALISERS.get(type(m))
+    if norm is not None and not APPLIES.get(type(m), bool)(m):
+        return None
     return _hf_drop_path if norm is None and hf_drop_path(m) else norm
 
 
@@ -164,10 +177,8 @@ NORMALISERS.update(
 )
 
 
-@normalises(nn.MaxPool1d, nn.MaxPool2d)
+@normalises(nn.MaxPool1d, nn.MaxPool2d, when=lambda m: not m.return_indices)
 def _max_pool(g, m, qual, a):
-    if m.return_indices:
-        return None
     fn = F.max_pool1d if isinstance(m, nn.MaxPool1d) else F.max_pool2d
     return _call(g, fn, a["input"], m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode)
 
@@ -179,13 +190,16 @@ def _avg_pool(g, m, qual, a):
     return _call(g, fn, a["input"], m.kernel_size, m.stride, m.padding, m.ceil_mode, m.count_include_pad, *extra)
 
 
-@normalises(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+def _fixed_momentum(m: nn.Module) -> bool:
+    # momentum=None: a cumulative moving average, 1 / num_batches_tracked (refused: trace._refuse_setups)
+    return not (m.training and m.track_running_stats and m.momentum is None)
+
+
+@normalises(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, when=_fixed_momentum)
 def _batch_norm(g, m, qual, a):
     # SyncBatchNorm over every rank (its default group) is batch norm over the global batch: what
     # the program computes for a batch-sharded batch norm (two all-reduces, hapc.collectives.fused);
     # one over a subgroup is refused before capture (trace._refuse_setups)
-    if m.training and m.track_running_stats and m.momentum is None:
-        return None  # cumulative moving average needs num_batches_tracked: keep the module
     training = m.training or not m.track_running_stats
     mean = _attr(g, qual, "running_mean") if m.running_mean is not None else None
     var = _attr(g, qual, "running_var") if m.running_var is not None else None
@@ -232,8 +246,6 @@ def normalise_modules(gm: fx.GraphModule) -> None:
         prev = node.prev
         with g.inserting_before(node):
             new = norm(g, mod, node.target, dict(bound.arguments))
-        if new is None:
-            continue
         n = node.prev
         while n is not prev:  # the new nodes (inserted just before it) point at the module call's source line
             n.meta["stack_trace"] = node.meta.get("stack_trace")

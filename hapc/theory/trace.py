@@ -441,6 +441,32 @@ def trace(
             ) from fx_error
 
 
+def _refuse_embedding_options(n: fx.Node, args: tuple, kwargs: dict) -> None:
+    """``F.embedding`` (``nn.Embedding``) options the program does not replay, refused with the line:
+
+    * ``max_norm``: renormalises the looked-up rows of the weight *in place* during forward (an
+      update of a parameter made in forward, which hapc does not replay);
+    * ``sparse=True``: sparse gradients (hapc's gradients are dense tensors, summed or sharded).
+
+    ``scale_grad_by_freq`` is exact (each row's gradient divided by its count in the whole batch:
+    the rule keeps the token dims whole, :func:`hapc.theory.rules.loss._embedding`)."""
+    import inspect
+
+    bound = inspect.signature(F.embedding).bind(*args, **kwargs)
+    if bound.arguments.get("max_norm") is not None:
+        raise TraceError(
+            f"embedding with max_norm at {_source(n)}: it renormalises rows of the weight in place during "
+            "forward, and hapc does not replay updates of parameters made in forward; drop max_norm (or "
+            "renormalise the weight outside forward, e.g. after optimizer.step())"
+        )
+    if bound.arguments.get("sparse"):
+        raise TraceError(
+            f"embedding with sparse=True at {_source(n)}: hapc's gradients are dense (summed or sharded across "
+            "ranks); use sparse=False (the same gradient, dense: an optimizer for dense gradients such as Adam "
+            "instead of SparseAdam)"
+        )
+
+
 def _forward_hooked(m: nn.Module) -> bool:
     """Does calling ``m`` run forward hooks (its own or global ones) besides its ``forward``?"""
     from torch.nn.modules import module as mm
@@ -495,6 +521,13 @@ def _refuse_setups(model: nn.Module) -> None:
                 f"{where(name, m)}: SyncBatchNorm with a process_group takes its statistics over that group's "
                 "share of the batch; hapc computes them over the whole global batch (as SyncBatchNorm over all "
                 "ranks does, and batch norm on one device). Leave process_group unset, or use nn.BatchNorm*d"
+            )
+        cumulative = m.training and getattr(m, "track_running_stats", False) and m.momentum is None
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and cumulative:
+            raise TraceError(
+                f"{where(name, m)}: batch norm with momentum=None keeps a cumulative average of the running "
+                "statistics, weighted by 1 / num_batches_tracked, a Python number read from a buffer each call "
+                "(hapc's program has static numbers); give it a momentum (torch's default is 0.1)"
             )
         if m._backward_hooks or m._backward_pre_hooks:
             raise TraceError(
@@ -1368,6 +1401,8 @@ class _Builder:
             if len(kept) == 1 and isinstance(kept[0], Ref):
                 return kept[0]
             args = (type(args[0])(kept), *args[1:])
+        if op == "embedding" and not is_method:
+            _refuse_embedding_options(n, args, kwargs)
         if op in _MEAN_LOSSES and not is_method:
             ref = self._decompose_mean_loss(n, op, value, args, kwargs)
             if ref is not None:

@@ -73,7 +73,16 @@ def _checked(view: OpView):
 
 @rule("embedding", doc="tokens shard; embedding dim shards; vocabulary shards -> Partial")
 def _embedding(view: OpView):
-    """``F.embedding(idx, weight, padding_idx)``."""
+    """``F.embedding(idx, weight, padding_idx, scale_grad_by_freq=False)``.
+
+    With ``scale_grad_by_freq`` each row's gradient is divided by the number of times its token
+    occurs in ``idx``: counted over a shard of the tokens, the divisor would be the shard's count, not
+    the batch's. The tokens then stay whole: only the embedding dim shards (every device looks up
+    every token, in its columns; a consumer taking a shard of the rows backpropagates zeros for the
+    others, so the counts are the batch's)."""
+    if view.arg(5, "scale_grad_by_freq", False):
+        idx = " ".join(f"{d}^" for d in labels(view.operands[0].rank, "t"))
+        return view.annotate(f"{idx}, v^ e -> {idx} e")
     strategies = view.annotate("..., v^ e -> ... e")
     padding_idx = view.arg(2, "padding_idx")
     if view.operands[1].shape[0] > 1:
