@@ -246,6 +246,8 @@ def normalise_modules(gm: fx.GraphModule) -> None:
         prev = node.prev
         with g.inserting_before(node):
             new = norm(g, mod, node.target, dict(bound.arguments))
+        if node.prev is not prev and new is node.prev and node.meta.get("hapc_no_grad"):  # under torch.no_grad()
+            new.meta["hapc_no_grad"] = True
         n = node.prev
         while n is not prev:  # the new nodes (inserted just before it) point at the module call's source line
             n.meta["stack_trace"] = node.meta.get("stack_trace")

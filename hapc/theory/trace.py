@@ -294,6 +294,8 @@ class _Tracer(fx.Tracer):
             rewritten = ctc_loss_call(self, args, kwargs)  # masked_select targets: padded (static_forms)
             if rewritten is not None:
                 return rewritten
+        if kind == "call_method" and target in _GRADIENT_HOOKS:
+            raise TraceError(f"forward calls {target}() on a tensor ({_where()}): {_GRADIENT_CODE_FIX}")
         p = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         p.node.meta["stack_trace"] = _model_frame()
         if self.region is not None:
@@ -304,6 +306,14 @@ class _Tracer(fx.Tracer):
             p.node.meta["hapc_val"] = self._meta_value(p.node)
         except Exception:  # the authoritative propagation after tracing reports real problems
             p.node.meta["hapc_val"] = _MISSING
+        if not torch.is_grad_enabled() and kind in ("call_function", "call_method", "call_module"):
+            # under torch.no_grad() / inference_mode in forward: its result carries no gradient
+            # (fx records the op alike; the builder detaches it), unless the op returned an operand
+            # itself (x.float() of a float, dropout in eval), which keeps its gradient as on one device
+            val = p.node.meta["hapc_val"]
+            p.node.meta["hapc_no_grad"] = not any(
+                val is a.meta.get("hapc_val") for a in p.node.all_input_nodes if val is not _MISSING
+            )
         return p
 
     def _meta_value(self, node: fx.Node) -> Any:
@@ -411,7 +421,12 @@ def trace(
     _refuse_setups(model)
     if capture == "export":
         try:
-            with _no_state_assignment(), _bincount_with_minlength_as_one_hot(), numpy_draws_refused(_where):
+            with (
+                _no_state_assignment(),
+                _backward_code_refused(),
+                _bincount_with_minlength_as_one_hot(),
+                numpy_draws_refused(_where),
+            ):
                 return _trace_export(model, example_inputs, loss)
         except TraceError as export_error:
             if hint := _library_hint(model, export_error):
@@ -420,7 +435,9 @@ def trace(
     buffers = {k: b.detach().clone() for k, b in model.named_buffers() if b.device.type != "meta"}
     try:
         with (
+            torch.enable_grad(),  # the caller's grad mode (an evaluation under no_grad) is not the forward's
             _no_state_assignment(),
+            _backward_code_refused(),
             _restoring(model, buffers),
             _state_unchanged(model),
             _bincount_with_minlength_as_one_hot(),
@@ -431,7 +448,12 @@ def trace(
         if capture == "fx" or leaf_modules or _mutation_error(fx_error):
             raise
         try:
-            with _no_state_assignment(), _bincount_with_minlength_as_one_hot(), numpy_draws_refused(_where):
+            with (
+                _no_state_assignment(),
+                _backward_code_refused(),
+                _bincount_with_minlength_as_one_hot(),
+                numpy_draws_refused(_where),
+            ):
                 return _trace_export(model, example_inputs, loss)
         except TraceError as export_error:
             hint = _library_hint(model, export_error)
@@ -478,7 +500,7 @@ def _forward_hooked(m: nn.Module) -> bool:
 _BACKWARD_HOOK_FIX = (
     "hapc's program computes the backward of the traced forward and would not run it. Remove it and "
     "transform the parameters' gradients after loss.backward() returns (to change gradients flowing "
-    "through the module, write that into the forward as a torch.autograd.Function)"
+    "through the module, call a torch.autograd.Function in its forward: capture='fx' records it whole)"
 )
 _WRAPPER_FIX = (
     "hapc replaces DistributedDataParallel / FSDP -- pass the plain model (DDP's model.module, or the model "
@@ -601,7 +623,118 @@ def _library_hint(model: nn.Module, exc: TraceError) -> str | None:
 
 
 def _mutation_error(exc: TraceError) -> bool:
-    return ("in-place" in str(exc) and "replay" in str(exc)) or "assigns" in str(exc)
+    """A refusal torch.export would repeat (state updated in forward, code changing the backward)."""
+    text = str(exc)
+    return ("in-place" in text and "replay" in text) or "assigns" in text or "the hook would never run" in text
+
+
+#: what to do instead of gradient code in forward (_backward_code_refused)
+_GRADIENT_CODE_FIX = (
+    "hapc's program computes the backward of the traced forward, so the hook would never run. Write the "
+    "gradient change as a torch.autograd.Function (capture='fx' records its apply whole and the program runs "
+    "its backward), or change the gradients after loss.backward() returns"
+)
+
+
+def _captured(values: Any) -> bool:
+    """Whether ``values`` hold a tensor of a capture (an fx proxy, torch.export's fake or functional
+    tensors), not a meta stand-in of hapc's own evaluation (a custom op's body runs on those)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    flat = values.values() if isinstance(values, dict) else values
+    for v in flat:
+        if isinstance(v, (fx.Proxy, FakeTensor, FunctionalTensor)):
+            return True
+        if isinstance(v, (tuple, list, dict)) and _captured(v):
+            return True
+    return False
+
+
+_FUNCTION_OPS: dict[type, Any] = {}
+
+#: library autograd Functions whose backward is the derivative of their forward (to rounding), so
+#: tracing their forward differentiates them as their backward does: either capture traces them
+DIFFERENTIABLE_FUNCTIONS = {
+    # BLOOM's tanh GeLU in training: bloom_gelu_back is d/dx of bloom_gelu_forward (0.1070322243 =
+    # 3 x 0.044715 x 0.79788456), written out to save memory
+    "transformers.models.bloom.modeling_bloom.GeLUFunction",
+}
+
+
+def function_op(cls: type) -> Any:
+    """The op a ``torch.autograd.Function`` subclass's ``cls.apply(...)`` is recorded as by the fx
+    capture: one node, which the program calls as the model does, so ``cls.backward`` computes its
+    gradient there as on one device. Its rule-registry name is the class's qualified name
+    (``hapc.register_op(MyFunction, "... -> ...")`` lets it shard; without a rule it is replicated,
+    which is exact for any function). One function per class, so equal calls stay equal."""
+    op = _FUNCTION_OPS.get(cls)
+    if op is None:
+
+        def op(*args: Any, **kwargs: Any) -> Any:
+            return cls.apply(*args, **kwargs)
+
+        op.__name__ = f"{cls.__name__}_apply"
+        op.__qualname__ = f"{cls.__qualname__}.apply"
+        op.__module__ = cls.__module__
+        op.__hapc_op__ = qualified_name(cls)  # type: ignore[attr-defined]
+        _FUNCTION_OPS[cls] = op
+    return op
+
+
+@contextlib.contextmanager
+def _backward_code_refused() -> Any:
+    """While capturing, code in forward that changes the backward:
+
+    * a ``torch.autograd.Function`` of the model's own (``cls.apply``, its ``backward``): recorded
+      whole by the fx capture (:func:`function_op`); torch.export would trace its forward and drop
+      the backward, so there it raises (the program would differentiate the forward ops instead,
+      silently another gradient: a gradient reversal layer would not reverse). torch's own functions
+      (reentrant ``torch.utils.checkpoint``) pass as before;
+    * a gradient hook on an intermediate tensor (``h.register_hook(fn)``): raises (the fx capture's
+      proxies meet it in ``_Tracer.create_proxy``)."""
+    from torch.autograd.function import Function
+
+    from .registry import _find_proxy
+
+    apply = Function.__dict__["apply"]
+    hooks = {name: getattr(torch.Tensor, name) for name in _GRADIENT_HOOKS}
+
+    def guarded_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        traced = cls.__module__.startswith(("torch.", "hapc.")) or qualified_name(cls) in DIFFERENTIABLE_FUNCTIONS
+        if not traced and _captured((args, kwargs)):
+            proxy = _find_proxy((args, kwargs))
+            if proxy is not None:
+                return proxy.tracer.create_proxy("call_function", function_op(cls), args, kwargs)
+            raise TraceError(
+                f"forward calls {cls.__qualname__}.apply, a torch.autograd.Function ({_where()}), which "
+                "torch.export captures by its forward alone (the program would differentiate that instead of "
+                "running its backward); compile with capture='fx', which records the call whole so that the "
+                "program makes it and its backward runs"
+            )
+        return apply.__func__(cls, *args, **kwargs)
+
+    def guarded_hook(name: str) -> Any:
+        def hook(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if _captured((self,)):
+                raise TraceError(f"forward calls {name}() on a tensor ({_where()}): {_GRADIENT_CODE_FIX}")
+            return hooks[name](self, *args, **kwargs)
+
+        return hook
+
+    Function.apply = classmethod(guarded_apply)  # type: ignore[method-assign, assignment]
+    for name in hooks:
+        setattr(torch.Tensor, name, guarded_hook(name))
+    try:
+        yield
+    finally:
+        Function.apply = apply  # type: ignore[method-assign]
+        for name, fn in hooks.items():
+            setattr(torch.Tensor, name, fn)
+
+
+#: tensor methods registering a hook on a tensor's gradient
+_GRADIENT_HOOKS = ("register_hook", "register_post_accumulate_grad_hook")
 
 
 @contextlib.contextmanager
@@ -1311,6 +1444,41 @@ class _Builder:
 
         return _fold_devices(fx.node.map_arg(a, sub))
 
+    def _no_grad(self, n: fx.Node, ref: Ref) -> Ref:
+        """``ref`` detached where fx node ``n`` ran under ``torch.no_grad()`` in forward (the fx
+        capture; torch.export's marks its grad-mode regions itself, :mod:`hapc.theory.capture`) and
+        its result could carry a gradient: one device's result of an op run without grad mode has
+        none, so the program stops the gradient there too."""
+        if not n.meta.get("hapc_no_grad"):
+            return ref
+        node = self.nodes[ref.index]
+        if not (node.meta.is_float and self._carries_grad(ref.index)):
+            return ref
+        return self.add(
+            name=f"{node.name}_no_grad",
+            kind=OP,
+            op=canonical_name("detach", True),
+            target="detach",
+            args=(ref,),
+            meta=node.meta,
+            is_method=True,
+            source=node.source,
+        )
+
+    def _carries_grad(self, index: int) -> bool:
+        """Whether node ``index`` depends on a trainable parameter (memoised; the graph's own
+        ``requires_grad`` is filled in only when it is finished)."""
+        known = self.__dict__.setdefault("_grad_memo", {})
+        if index not in known:
+            node = self.nodes[index]
+            if node.kind == PARAM:
+                known[index] = node.requires_grad
+            elif node.kind != OP or node.op == canonical_name("detach", True):
+                known[index] = False
+            else:
+                known[index] = any(self._carries_grad(i) for i in node.operands)
+        return known[index]
+
     def element(self, fxnode: fx.Node, i: int) -> Ref:
         """Reference to output ``i`` of a tuple-returning op (created on first use)."""
         key = (fxnode, i)
@@ -1327,6 +1495,7 @@ class _Builder:
                 flops=self.flops.get(fxnode, 0.0) / len(self.values[fxnode]),
                 source=_source(fxnode),
             )
+            self.elements[key] = self._no_grad(fxnode, self.elements[key])
         return self.elements[key]
 
     def run(self, capture: str = "fx") -> RefGraph:
@@ -1364,7 +1533,7 @@ class _Builder:
             elif n.op == "output":
                 self.env[n] = self.arg(n.args[0])
             elif isinstance(v, torch.Tensor):
-                self.env[n] = self.add_op(n, v)
+                self.env[n] = self._no_grad(n, self.add_op(n, v))
             elif isinstance(v, (tuple, list)) and any(isinstance(t, torch.Tensor) for t in v):
                 self.env[n] = _Tuple(n, self.arg(n.args), self.arg(n.kwargs))
             else:
