@@ -7,8 +7,9 @@
 * a ``torch.autograd.Function`` of the model's own (a gradient reversal layer): the fx capture records
   ``cls.apply`` as one op that the program calls, so its ``backward`` runs (replicated, or as
   ``hapc.register_op(cls, ...)`` lets it shard); torch.export, which would keep its forward alone, refuses;
-* ``h.register_hook(fn)`` on a tensor in forward: refused by either capture (the program's backward
-  would never call it).
+* ``h.register_hook(fn)`` on a tensor in forward and ``torch.autograd.grad`` (a gradient penalty):
+  refused by either capture (the program's backward would never call the hook; the capture records
+  forward ops only).
 
 float64 on 1-3 gloo processes with uneven ratios, against the same steps on one device."""
 
@@ -69,6 +70,10 @@ class Net(nn.Module):
         elif self.how == "hook":
             h = self.b(h)
             h.register_hook(lambda g: 3 * g)
+        elif self.how == "penalty":  # a gradient penalty: the gradient of the output by the input
+            xi = x.detach().requires_grad_(True)
+            (g,) = torch.autograd.grad(self.a(xi).sum(), xi, create_graph=True)
+            h = self.b(h) + (g**2).sum()
         return F.cross_entropy(self.c(h), y)
 
 
@@ -165,3 +170,11 @@ def test_a_gradient_hook_in_forward_is_refused(capture):
     with pytest.raises(TraceError, match=r"register_hook\(\) on a tensor \(test_backward_code.py:\d+") as info:
         trace(_model("hook"), (x, y), capture=capture)
     assert "torch.export could not capture it either" not in str(info.value)  # one refusal, not two
+
+
+@pytest.mark.parametrize("capture", ["fx", "export", "auto"])
+def test_a_gradient_penalty_in_forward_is_refused(capture):
+    x, y = _data()
+    with pytest.raises(TraceError, match=r"torch\.autograd\.grad \(test_backward_code.py:\d+") as info:
+        trace(_model("penalty"), (x, y), capture=capture)
+    assert "torch.export could not capture it either" not in str(info.value)

@@ -625,7 +625,12 @@ def _library_hint(model: nn.Module, exc: TraceError) -> str | None:
 def _mutation_error(exc: TraceError) -> bool:
     """A refusal torch.export would repeat (state updated in forward, code changing the backward)."""
     text = str(exc)
-    return ("in-place" in text and "replay" in text) or "assigns" in text or "the hook would never run" in text
+    return (
+        ("in-place" in text and "replay" in text)
+        or "assigns" in text
+        or "the hook would never run" in text
+        or "a backward inside" in text
+    )
 
 
 #: what to do instead of gradient code in forward (_backward_code_refused)
@@ -692,7 +697,8 @@ def _backward_code_refused() -> Any:
       silently another gradient: a gradient reversal layer would not reverse). torch's own functions
       (reentrant ``torch.utils.checkpoint``) pass as before;
     * a gradient hook on an intermediate tensor (``h.register_hook(fn)``): raises (the fx capture's
-      proxies meet it in ``_Tracer.create_proxy``)."""
+      proxies meet it in ``_Tracer.create_proxy``);
+    * ``torch.autograd.grad`` (a gradient penalty): raises, naming ``@hapc.custom_op``."""
     from torch.autograd.function import Function
 
     from .registry import _find_proxy
@@ -722,13 +728,27 @@ def _backward_code_refused() -> Any:
 
         return hook
 
+    grad = torch.autograd.grad
+
+    def guarded_grad(outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if _captured((outputs, inputs)):
+            raise TraceError(
+                f"forward calls torch.autograd.grad ({_where()}), a backward inside the forward (a gradient "
+                "penalty): the capture records forward ops only. Move that computation into a function decorated "
+                "with @hapc.custom_op (capture='fx' records its call whole and the program makes it: replicated, "
+                "so exact, unless you annotate it)"
+            )
+        return grad(outputs, inputs, *args, **kwargs)
+
     Function.apply = classmethod(guarded_apply)  # type: ignore[method-assign, assignment]
+    torch.autograd.grad = guarded_grad
     for name in hooks:
         setattr(torch.Tensor, name, guarded_hook(name))
     try:
         yield
     finally:
         Function.apply = apply  # type: ignore[method-assign]
+        torch.autograd.grad = grad
         for name, fn in hooks.items():
             setattr(torch.Tensor, name, fn)
 
