@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import assert_close
+from harness import assert_close, sgd_steps
 from torch import nn
 
 import hapc
@@ -87,18 +87,6 @@ def _model(how: str) -> Net:
     return Net(how).to(F64)
 
 
-def _steps(module, x, y, steps: int = 3):
-    opt = torch.optim.SGD(module.parameters(), lr=0.3)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = module(x, y)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses
-
-
 def _job(rank, world, how, cluster, options):
     x, y = _data()
     first_under_no_grad = options.pop("first_under_no_grad", False)
@@ -106,7 +94,7 @@ def _job(rank, world, how, cluster, options):
     if first_under_no_grad:  # a batch of another size: its program is traced at this call, under no_grad
         with torch.no_grad():
             module(x[:7], y[:7])
-    losses = _steps(module, x, y)
+    losses = sgd_steps(module, (x, y), steps=3, lr=0.3)
     return losses, {k: v.clone() for k, v in module.state_dict().items()}
 
 
@@ -114,7 +102,7 @@ def _check(how, cluster, world, **options):
     results = run_distributed(_job, world, how, cluster, options)
     model = _model(how)
     x, y = _data()
-    want = _steps(model, x, y)
+    want = sgd_steps(model, (x, y), steps=3, lr=0.3)
     for rank, (losses, state) in enumerate(results):
         assert_close(losses, want, F64, f"rank {rank} losses")
         assert_close(state, dict(model.state_dict()), F64, f"rank {rank} state")

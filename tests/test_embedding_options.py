@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import assert_close, two_groups
+from harness import assert_close, sgd_steps, two_groups
 from torch import nn
 
 import hapc
@@ -74,22 +74,10 @@ def _model(cls, kwargs):
     return cls(**kwargs).to(F64)
 
 
-def _steps(module, x, y, steps: int = 3):
-    opt = torch.optim.SGD(module.parameters(), lr=0.5)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = module(x, y)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses
-
-
 def _job(rank, world, cls, kwargs, cluster, options):
     x, y = _data()
     module = hapc.compile(_model(cls, kwargs), cluster, (x, y), **options)
-    losses = _steps(module, x, y)
+    losses = sgd_steps(module, (x, y), steps=3, lr=0.5)
     return losses, {k: v.clone() for k, v in module.state_dict().items()}
 
 
@@ -97,7 +85,7 @@ def _check(cls, kwargs, cluster, world, **options):
     results = run_distributed(_job, world, cls, kwargs, cluster, options)
     model = _model(cls, kwargs)
     x, y = _data()
-    want = _steps(model, x, y)
+    want = sgd_steps(model, (x, y), steps=3, lr=0.5)
     for rank, (losses, state) in enumerate(results):
         assert_close(losses, want, F64, f"rank {rank} losses")
         assert_close(state, dict(model.state_dict()), F64, f"rank {rank} state")
