@@ -166,3 +166,26 @@ def test_a_gradient_penalty_in_forward_is_refused(capture):
     with pytest.raises(TraceError, match=r"torch\.autograd\.grad \(test_backward_code.py:\d+") as info:
         trace(_model("penalty"), (x, y), capture=capture)
     assert "torch.export could not capture it either" not in str(info.value)
+
+
+class Deep(nn.Module):
+    """A chain of 1500 ops from the parameter, then a no_grad region reading its end."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        h = x * self.w
+        for _ in range(1500):
+            h = h * 1.001
+        with torch.no_grad():
+            t = h * 2
+        return (h + t).sum()
+
+
+def test_a_no_grad_region_after_a_deep_chain_traces():
+    """Whether a no_grad result could carry a gradient is found without recursion (graphs are deeper
+    than Python's recursion limit)."""
+    graph = trace(Deep(), (torch.ones(4, 3),), capture="fx")
+    assert [n.op for n in graph if n.op == "detach"] == ["detach"]

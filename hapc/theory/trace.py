@@ -1446,6 +1446,7 @@ class _Builder:
         self.region: int | None = None  # of the fx node being built (torch.utils.checkpoint)
         self.autocast: tuple = ()  # of the fx node being built (its torch.autocast contexts)
         self.guards: list[Guard] = []  # checks the loss passes through (:func:`hapc.ops.checked`)
+        self.carries_grad: list[bool] = []  # per node so far: depends on a trainable parameter (_carries_grad)
 
     def add(self, **fields: Any) -> Ref:
         if fields.get("kind") == OP:
@@ -1486,17 +1487,18 @@ class _Builder:
         )
 
     def _carries_grad(self, index: int) -> bool:
-        """Whether node ``index`` depends on a trainable parameter (memoised; the graph's own
-        ``requires_grad`` is filled in only when it is finished)."""
-        known = self.__dict__.setdefault("_grad_memo", {})
-        if index not in known:
-            node = self.nodes[index]
+        """Whether node ``index`` depends on a trainable parameter (the graph's own ``requires_grad``
+        is filled in only when it is finished). Nodes are added in order, operands first: the flags
+        are extended up to ``index`` in one pass, never recursively (graphs are thousands deep)."""
+        known = self.carries_grad
+        detach = canonical_name("detach", True)
+        for node in self.nodes[len(known) : index + 1]:
             if node.kind == PARAM:
-                known[index] = node.requires_grad
-            elif node.kind != OP or node.op == canonical_name("detach", True):
-                known[index] = False
+                known.append(node.requires_grad)
+            elif node.kind != OP or node.op == detach:
+                known.append(False)
             else:
-                known[index] = any(self._carries_grad(i) for i in node.operands)
+                known.append(any(known[i] for i in node.operands))
         return known[index]
 
     def element(self, fxnode: fx.Node, i: int) -> Ref:
