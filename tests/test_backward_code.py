@@ -90,6 +90,8 @@ def _model(how: str) -> Net:
 def _job(rank, world, how, cluster, options):
     x, y = _data()
     first_under_no_grad = options.pop("first_under_no_grad", False)
+    if options.pop("register", False):  # in this rank's process only (forked): the test process keeps its registry
+        hapc.register_op(Reverse, "... -> ...")
     module = hapc.compile(_model(how), cluster, (x, y), **options)
     if first_under_no_grad:  # a batch of another size: its program is traced at this call, under no_grad
         with torch.no_grad():
@@ -118,6 +120,7 @@ CASES = {
     "function-3-ranks": ("function", "local-cpu:3", 3, {}),
     "function-1-rank": ("function", "local-cpu:1", 1, {}),
     "function-tp": ("function", cluster_of([3e9, 1e9]), 2, TP),
+    "function-registered": ("function", "local-cpu:3", 3, {"register": True}),  # elementwise: it shards
 }
 
 
