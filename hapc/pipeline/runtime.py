@@ -273,9 +273,11 @@ def micro_batch_dims(model: nn.Module, batch: Any, graph: Any, num_micro: int) -
 
 #: ops whose backward couples a batch's rows: op -> (position, keyword) of the flag that does it
 _BATCH_COUPLED = {
-    "embedding": (5, "scale_grad_by_freq"),  # F.embedding(input, weight, padding_idx, max_norm, norm_type, *)
-    "embedding_bag": (5, "scale_grad_by_freq"),  # F.embedding_bag(input, weight, offsets, max_norm, norm_type, *)
-    "batch_norm": (5, "training"),  # F.batch_norm(input, mean, var, weight, bias, *): written out (timm)
+    # op: (position of the flag, its name, what the flag set makes it do per micro-batch)
+    "embedding": (5, "scale_grad_by_freq", "scales each row's gradient by its token's count in each micro-batch"),
+    "embedding_bag": (5, "scale_grad_by_freq", "scales each row's gradient by its token's count in each micro-batch"),
+    # F.batch_norm written out (timm); the module form is refused by the module scan
+    "batch_norm": (5, "training", "normalises each micro-batch by its own statistics"),
 }
 
 
@@ -287,21 +289,16 @@ def batch_coupled(graph: Any) -> str | None:
     gradient is divided by its token's count *in the batch*: per micro-batch the counts are smaller)
     or batch norm in training mode (each micro-batch normalised by its own statistics). The SPMD
     kinds compute both over the whole batch (the embedding's tokens stay whole, batch norm's
-    statistics are all-reduced)."""
+    statistics are all-reduced). Extend :data:`_BATCH_COUPLED` for a new batch-coupled op."""
     from ..theory.graph import OP
 
     for n in graph:
         if n.kind != OP or n.op not in _BATCH_COUPLED:
             continue
-        position, name = _BATCH_COUPLED[n.op]
+        position, name, why = _BATCH_COUPLED[n.op]
         flag = n.kwargs.get(name, n.args[position] if len(n.args) > position else False)
         if flag is True:
-            what = "batch norm in training mode" if n.op == "batch_norm" else f"{n.op} with {name}=True"
-            why = (
-                "normalises each micro-batch by its own statistics"
-                if n.op == "batch_norm"
-                else "scales each row's gradient by its token's count in each micro-batch"
-            )
+            what = "batch norm in training mode" if name == "training" else f"{n.op} with {name}=True"
             return (
                 f"{what} at {n.source} {why}, not the batch's as single-device training does; compile it "
                 "without a pipeline (pipeline=False)"

@@ -190,9 +190,15 @@ def _avg_pool(g, m, qual, a):
     return _call(g, fn, a["input"], m.kernel_size, m.stride, m.padding, m.ceil_mode, m.count_include_pad, *extra)
 
 
+def cumulative_average(m: nn.Module) -> bool:
+    """Whether batch norm ``m`` updates its running statistics by a cumulative moving average
+    (``momentum=None`` in training: weighted by ``1 / num_batches_tracked``, a Python number read
+    from a buffer each call); refused by :func:`hapc.theory.trace._refuse_setups`."""
+    return bool(m.training and getattr(m, "track_running_stats", False) and m.momentum is None)
+
+
 def _fixed_momentum(m: nn.Module) -> bool:
-    # momentum=None: a cumulative moving average, 1 / num_batches_tracked (refused: trace._refuse_setups)
-    return not (m.training and m.track_running_stats and m.momentum is None)
+    return not cumulative_average(m)
 
 
 @normalises(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, when=_fixed_momentum)

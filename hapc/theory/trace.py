@@ -38,7 +38,7 @@ from .cse import merge_common
 from .draws import CaptureDraws, leaf_evaluation
 from .flops import contraction_flops
 from .graph import BUFFER, INPUT, OP, PARAM, Ref, RefGraph, RefNode, TensorMeta, iter_refs
-from .normalize import NORMALISERS, normalise_modules, normaliser
+from .normalize import NORMALISERS, cumulative_average, normalise_modules, normaliser
 from .opnames import canonical_name, qualified_name
 from .plain_meta import MetaMemo, without_sympy
 from .registry import Registry, default_registry
@@ -544,8 +544,7 @@ def _refuse_setups(model: nn.Module) -> None:
                 "share of the batch; hapc computes them over the whole global batch (as SyncBatchNorm over all "
                 "ranks does, and batch norm on one device). Leave process_group unset, or use nn.BatchNorm*d"
             )
-        cumulative = m.training and getattr(m, "track_running_stats", False) and m.momentum is None
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and cumulative:
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and cumulative_average(m):
             raise TraceError(
                 f"{where(name, m)}: batch norm with momentum=None keeps a cumulative average of the running "
                 "statistics, weighted by 1 / num_batches_tracked, a Python number read from a buffer each call "
