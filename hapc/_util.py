@@ -43,16 +43,27 @@ def broadcast_json(
     Plans travel between ranks as UTF-8 JSON bytes in a uint8 tensor (two broadcasts: size, then
     bytes) -- data only, never pickle. ``waiting``: what a rank that gave up waiting for the result
     (the group's timeout) is told, as a :class:`~hapc.errors.HapcError`, instead of the backend's
-    bare timeout."""
+    bare timeout. Where ``make()`` raises, the error is sent instead of the result and raised on
+    every rank: the root re-raises its own exception, the others a :class:`~hapc.errors.HapcError`
+    of the same class (a :class:`~hapc.errors.HapcError` subclass) with its message, or naming the
+    root's exception otherwise -- never the backend's "connection closed" of a root that exited."""
     import json
 
     import torch
     import torch.distributed as dist
 
+    from . import errors
+
     root = src if src is not None else (0 if group is None else dist.get_global_rank(group, 0))
     first = dist.get_rank() == root
+    failure: BaseException | None = None
     if first:
-        data = torch.frombuffer(bytearray(json.dumps(make()).encode()), dtype=torch.uint8).to(device)
+        try:
+            envelope: dict[str, Any] = {"ok": make()}
+        except Exception as exc:  # sent to every rank, then raised here as it was
+            failure = exc
+            envelope = {"error": str(exc), "type": type(exc).__name__, "hapc": isinstance(exc, errors.HapcError)}
+        data = torch.frombuffer(bytearray(json.dumps(envelope).encode()), dtype=torch.uint8).to(device)
         size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     else:
         size = torch.zeros(1, dtype=torch.int64, device=device)
@@ -61,13 +72,24 @@ def broadcast_json(
     except RuntimeError as exc:
         if first or not waiting:
             raise
-        from .errors import HapcError
-
-        raise HapcError(f"{waiting} ({type(exc).__name__}: {str(exc).splitlines()[0]})") from exc
+        raise errors.HapcError(f"{waiting} ({type(exc).__name__}: {str(exc).splitlines()[0]})") from exc
     if not first:
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.broadcast(data, src=root, group=group)
-    return json.loads(data.cpu().numpy().tobytes().decode())
+    if failure is not None:
+        raise failure
+    got = json.loads(data.cpu().numpy().tobytes().decode())
+    if "error" in got:
+        if got["hapc"]:
+            cls = getattr(errors, got["type"], errors.HapcError)
+            raise (cls if isinstance(cls, type) and issubclass(cls, errors.HapcError) else errors.HapcError)(
+                got["error"]
+            )
+        raise errors.HapcError(
+            f"rank {root} failed while preparing what every rank needs (its output has the traceback): "
+            f"{got['type']}: {got['error']}"
+        )
+    return got["ok"]
 
 
 def same_ranks_group(group: Any = None, timeout_s: float | None = None) -> Any:

@@ -162,6 +162,47 @@ def test_a_rank_waiting_past_the_timeout_for_the_plan_is_told_why_and_the_fixes(
         assert fix in message
 
 
+def _root_fails(rank, world, what):
+    from hapc._util import broadcast_json
+    from hapc.errors import TraceError
+
+    def make():
+        if what == "hapc":
+            raise TraceError("the model's forward must return the training loss")
+        raise ValueError("a bug in the planner")
+
+    try:
+        broadcast_json(make)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return "returned", ""
+
+
+@pytest.mark.parametrize("what", ["hapc", "other"])
+def test_an_error_preparing_the_plan_on_rank_0_is_raised_on_every_rank(what):
+    # not gloo's "Connection closed by peer" on the others once rank 0 has raised and exited
+    got = run_distributed(_root_fails, 3, what, timeout=30)
+    if what == "hapc":  # every rank: the same class and message
+        assert got == [("TraceError", "the model's forward must return the training loss")] * 3
+    else:  # rank 0: its own exception; the others: a HapcError naming it
+        assert got[0] == ("ValueError", "a bug in the planner")
+        for name, message in got[1:]:
+            assert name == "HapcError" and "rank 0 failed" in message and "ValueError: a bug in the planner" in message
+
+
+def _compile_no_loss(rank, world):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))  # returns logits, not a loss
+    try:
+        hapc.compile(model, cluster_of([2e9, 1e9, 1e9]), (torch.randn(6, 8),), pipeline=True)
+    except HapcError as exc:
+        return type(exc).__name__
+    return "compiled"
+
+
+def test_a_model_rank_0_cannot_trace_is_refused_on_every_rank_of_a_pipeline():
+    assert run_distributed(_compile_no_loss, 3, timeout=60) == ["TraceError"] * 3
+
+
 # -- checkpoints --------------------------------------------------------------------------------------
 
 
