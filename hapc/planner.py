@@ -368,7 +368,14 @@ def segmented_blocker(cluster: Cluster, example_inputs: Any) -> str | None:
     return None
 
 
-def outputs_blocker(model: torch.nn.Module, graph: Any, example_inputs: Any, trace_options: Any = None) -> str | None:
+def outputs_blocker(
+    model: torch.nn.Module,
+    graph: Any,
+    example_inputs: Any,
+    trace_options: Any = None,
+    micro: Any = None,
+    parts: int | None = None,
+) -> str | None:
     """Why the plan-kind choice leaves the pipeline out for a model returning more than its loss
     under ``outputs="whole"`` (None: it can hand them back). A pipeline computes them a micro-batch
     at a time and hands them back concatenated along dim 0 (:mod:`hapc.pipeline.runtime`), exact
@@ -378,9 +385,11 @@ def outputs_blocker(model: torch.nn.Module, graph: Any, example_inputs: Any, tra
     the model traced at ``batch / d`` rows (``d`` the batch's least divisor above 1; ``graph`` is
     the batch's). ``outputs="loss"`` (they come back ``None``) lets the planner choose it; an
     explicit pipeline still plans (``hapc.compile(pipeline=True)`` then refuses naming the fix).
-    Per-segment ratios hand every returned tensor back as the SPMD module does: never blocked."""
-    from .pipeline.runtime import check_batch_major, micro_batches
-    from .theory import trace
+    Per-segment ratios hand every returned tensor back as the SPMD module does: never blocked.
+    ``micro`` / ``parts``: the model traced at one of ``parts`` micro-batches, where the caller has
+    it (:func:`choose_plan`'s row check traced it)."""
+    from .pipeline.rows import micro_trace
+    from .pipeline.runtime import check_batch_major
 
     if not any(r is not None for k, r in enumerate(graph.outputs) if k != graph.loss_leaf):
         return None
@@ -388,10 +397,10 @@ def outputs_blocker(model: torch.nn.Module, graph: Any, example_inputs: Any, tra
     d = next((d for d in range(2, (batch or 1) + 1) if batch % d == 0), None)
     if d is None:  # a batch of one row: a single micro-batch, nothing concatenated
         return None
-    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
-    micro = trace(model, micro_batches(inputs, d, batch)[0], **(trace_options or {}))
+    if micro is None or parts is None:
+        micro, parts = micro_trace(model, example_inputs, d, batch, **(trace_options or {})), d
     try:
-        check_batch_major(graph, micro, d)
+        check_batch_major(graph, micro, parts)
     except HapcError as exc:
         return (
             f"{exc} (the plan-kind choice leaves the pipeline out; pipeline=True (hapc synth --kind pipeline) "
@@ -465,6 +474,16 @@ def micro_mismatch(batch: int, num_micro: int) -> str:
         f"the batch of {batch} does not split into {num_micro} equal micro-batches (num_micro); "
         f"give a num_micro that divides it ({divisors}) or leave num_micro unset for the planner to choose"
     )
+
+
+def _check_parts(batch: int | None, num_micro: int | None) -> int:
+    """The micro-batch count the pipeline's checks trace the model at: ``num_micro`` where it is given
+    and divides the batch, else the batch's least divisor above 1 (1: nothing is split)."""
+    if not batch:
+        return 1
+    if num_micro is not None:
+        return num_micro if batch % num_micro == 0 else 1
+    return next(d for d in range(2, batch + 1) if batch % d == 0) if batch > 1 else 1
 
 
 def _batch_size(example_inputs: Any) -> int | None:
@@ -685,21 +704,30 @@ def choose_plan(
             or (f"SPMD-only option(s) given: {', '.join(spmd_only)}" if spmd_only else None)
             or pipeline_blocker(model, cluster, example_inputs, num_micro)
         )
-        if blocker is None and num_micro != 1:
-            # micro-batches must compute what the batch does (scale_grad_by_freq, batch norm written out)
+        micro_graph: Any = None  # the model at one of `parts` micro-batches (the checks below)
+        batch = _batch_size(example_inputs)
+        parts = _check_parts(batch, num_micro)
+        if blocker is None and parts > 1:
+            # micro-batches must compute what the batch does: no op couples the batch's rows (a batch
+            # statistic, topk over the batch, torch.arange(batch)), nor its backward (scale_grad_by_freq)
+            from .pipeline.rows import micro_trace, rows_coupled
             from .pipeline.runtime import batch_coupled
 
             if theory is None:
                 theory_graph = trace(model, example_inputs, **(trace_options or {}))
-            blocker = batch_coupled(theory.graph if theory is not None else theory_graph)
+            whole = theory.graph if theory is not None else theory_graph
+            blocker = batch_coupled(whole)
+            if blocker is None:
+                micro_graph = micro_trace(model, example_inputs, parts, batch, **(trace_options or {}))
         if blocker is None and "spmd" in kinds and theory is not None and outputs != "loss":
             # a choice between the kinds (the SPMD theory is there: it was priced first) must not pick a
             # pipeline that cannot hand the model's other returned tensors back
-            blocker = outputs_blocker(model, theory.graph, example_inputs, trace_options)
+            blocker = outputs_blocker(model, theory.graph, example_inputs, trace_options, micro_graph, parts)
+        if blocker is None and micro_graph is not None:
+            blocker = rows_coupled(whole, micro_graph, parts, outputs=outputs != "loss")
         if blocker is not None:
             out.append(KindEstimate(kind, "not applicable", reason=blocker))
             continue
-        batch = _batch_size(example_inputs)
         if num_micro is not None and batch is not None and batch % num_micro:  # an explicit count: an override
             raise HapcError(micro_mismatch(batch, num_micro))
         assert batch is not None  # pipeline_blocker checked

@@ -36,10 +36,11 @@ TOL = {"rtol": 1e-9, "atol": 1e-12}
 
 class _Logits(GPT):
     """The zoo's tiny GPT returning ``{"loss", "logits", "hidden"}`` (``hidden``: the first block's
-    output, computed by the first stage) -- or, with ``scalar``, ``{"loss", "mean"}``: the
-    logits' mean over the batch, which the loss subtracts from them (cross-entropy is unchanged by
-    it), returned for logging. (A returned tensor the loss does not depend on is not captured:
-    ``None`` in any kind.)"""
+    output, computed by the first stage) -- or, with ``scalar``, ``{"loss", "mean"}``: the output
+    head's mean weight, which the loss subtracts from the logits (cross-entropy is unchanged by
+    it), returned for logging: a scalar with no batch dimension. (A returned tensor the loss does
+    not depend on is not captured: ``None`` in any kind. A mean over the batch's rows that the loss
+    reads couples the micro-batches: tests/test_pipeline_rows.py.)"""
 
     def __init__(self, cfg, scalar: bool = False):
         super().__init__(cfg)
@@ -53,7 +54,7 @@ class _Logits(GPT):
             x = block(x)
         logits = self.head(self.ln(x))
         if self.scalar:
-            mean = logits.mean()
+            mean = self.head.weight.mean()
             return {"loss": F.cross_entropy((logits - mean).view(b * t, -1), targets.view(b * t)), "mean": mean}
         loss = F.cross_entropy(logits.view(b * t, -1), targets.view(b * t))
         return {"loss": loss, "logits": logits, "hidden": hidden}
@@ -152,8 +153,8 @@ def _refused_job(rank, world, outputs):
 
 
 def test_an_output_without_a_batch_dimension_is_refused():
-    """A scalar besides the loss (a mean over the batch) would come back as the micro-batches'
-    means concatenated -- not the batch's: refused on every rank, naming ``outputs='loss'``; under
+    """A scalar besides the loss would come back as the micro-batches' values concatenated -- not
+    the batch's: refused on every rank, naming ``outputs='loss'``; under
     ``outputs="loss"`` the same pipeline runs (the scalar ``None``)."""
     for message in run_distributed(_refused_job, 2, "whole", timeout=300):
         assert "['mean']" in message and "outputs='loss'" in message and "dim 0" in message, message

@@ -104,6 +104,7 @@ from ..plan import Plan
 from ..theory.draws import refuse_random_ops
 from ..theory.graph import BUFFER, PARAM
 from . import reshard
+from .rows import rows_coupled
 from .schedule import Action, schedule
 from .stages import ACT_PREFIX, StageGraph, loss_weighting, split_graph
 
@@ -227,7 +228,7 @@ def micro_batches(inputs: Any, num_micro: int, batch: int) -> list[Any]:
     return out
 
 
-def micro_batch_dims(model: nn.Module, batch: Any, graph: Any, num_micro: int) -> dict[str, int]:
+def micro_batch_dims(model: nn.Module, batch: Any, graph: Any, num_micro: int, whole: Any = None) -> dict[str, int]:
     """Random op (dropout, SDPA's attention dropout, stochastic depth) -> the dim along which its
     tensor in the micro-batch graph ``graph`` splits the batch's: the one dim whose extent is
     ``num_micro`` times larger when ``model`` is traced on the whole ``batch``. With it a stage
@@ -242,7 +243,8 @@ def micro_batch_dims(model: nn.Module, batch: Any, graph: Any, num_micro: int) -
     model in this repository's tests has).
 
     Raises HapcError for a random op whose tensor changes in another way (several dims, another
-    factor, a node the whole batch's trace lacks): its masks could not be the batch's."""
+    factor, a node the whole batch's trace lacks): its masks could not be the batch's. ``whole``:
+    ``model`` traced at ``batch`` already (else traced here)."""
     from ..theory.graph import OP
     from ..theory.program_key import follows_mode
     from ..theory.rules.random import SAMPLE_DROPS
@@ -252,7 +254,7 @@ def micro_batch_dims(model: nn.Module, batch: Any, graph: Any, num_micro: int) -
         return {}
     from ..theory import trace
 
-    whole = {n.name: n for n in trace(model, batch)}
+    whole = {n.name: n for n in (whole if whole is not None else trace(model, batch))}
     dims: dict[str, int] = {}
     for n in draws:
         w = whole.get(n.name)
@@ -365,10 +367,13 @@ class PipelineModule(HapcModule):
             raise HapcError("no input has a batch dimension to split into micro-batches: a pipeline needs one")
         self.batch = batch
         micro = micro_batches(example, spec.num_micro, self.batch)[0]
+        # the batch's program, traced first: the stages' (the micro-batch's) tensors made in forward
+        # stay on the model (_tensor_constant*)
+        whole = trace(model, example) if spec.num_micro > 1 else None
         graph = trace(model, micro)
         # torch's own draws (torch.rand, bernoulli) would differ from one device's by micro-batch and rank
         refuse_random_ops(graph, max(world, spec.num_micro))
-        coupled = batch_coupled(graph) if spec.num_micro > 1 else None
+        coupled = batch_coupled(graph) if whole is not None else None
         if coupled is not None:
             raise HapcError(coupled)
         self.input_names = list(graph.input_names)
@@ -376,7 +381,7 @@ class PipelineModule(HapcModule):
         # structure comes back with the loss in its place (hapc.codegen.calls)
         self._call = ModelCall(model, micro, graph)
         # where each random op's tensor splits into micro-batches: their draws are the batch's
-        draws = micro_batch_dims(model, example, graph, spec.num_micro)
+        draws = micro_batch_dims(model, example, graph, spec.num_micro, whole=whole)
         self._loss_dtype = graph.loss.meta.dtype
         stages = split_graph(graph, spec.cuts)
         # how the micro-batches' losses make the batch loss; checked on every rank before any work
@@ -384,7 +389,11 @@ class PipelineModule(HapcModule):
         # the model's other returned tensors: which stage's program returns each (hapc.codegen.calls)
         self._routed = route_outputs(graph, stages) if outputs == "whole" else []
         if self._routed and spec.num_micro > 1:  # concatenating micro-batches must rebuild the batch's
-            check_batch_major(trace(model, example), graph, spec.num_micro)
+            check_batch_major(whole, graph, spec.num_micro)
+        if whole is not None:  # the micro-batches must compute what the batch does (hapc.pipeline.rows)
+            coupled = rows_coupled(whole, graph, spec.num_micro, outputs=outputs == "whole")
+            if coupled is not None:
+                raise HapcError(coupled)
         # every rank creates every stage's group, in the same order (torch.distributed requires it);
         # with a timeout, the job's messages and broadcasts also go over a group that has it
         limit = timedelta(seconds=timeout) if timeout is not None else None

@@ -158,6 +158,9 @@ class RefGraph:
         self.outputs: list[int | None] = [len(nodes) - 1] if nodes else []
         self.loss_leaf = 0
         self.aliases: dict[str, str] = {}  # tied weights: state_dict name -> the name the graph uses
+        # the tensors this capture made in forward (``_tensor_constant*``): the next capture of the
+        # module replaces its attributes of these names
+        self.constants: dict[str, torch.Tensor] = {}
         for n in nodes:
             n.users = []
             n.__dict__.pop("_operands", None)

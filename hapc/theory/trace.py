@@ -427,7 +427,7 @@ def trace(
                 _bincount_with_minlength_as_one_hot(),
                 numpy_draws_refused(_where),
             ):
-                return _trace_export(model, example_inputs, loss)
+                return _keep_constants(model, _trace_export(model, example_inputs, loss))
         except TraceError as export_error:
             if hint := _library_hint(model, export_error):
                 raise TraceError(f"{export_error}\n  {hint}") from export_error
@@ -443,7 +443,7 @@ def trace(
             _bincount_with_minlength_as_one_hot(),
             numpy_draws_refused(_where),
         ):
-            return _trace_fx(model, example_inputs, leaf_modules, registry, loss)
+            return _keep_constants(model, _trace_fx(model, example_inputs, leaf_modules, registry, loss))
     except TraceError as fx_error:
         if capture == "fx" or leaf_modules or _mutation_error(fx_error):
             raise
@@ -454,13 +454,24 @@ def trace(
                 _bincount_with_minlength_as_one_hot(),
                 numpy_draws_refused(_where),
             ):
-                return _trace_export(model, example_inputs, loss)
+                return _keep_constants(model, _trace_export(model, example_inputs, loss))
         except TraceError as export_error:
             hint = _library_hint(model, export_error)
             raise TraceError(
                 f"{fx_error}\n  (torch.export could not capture it either: {export_error})"
                 + (f"\n  {hint}" if hint else "")
             ) from fx_error
+
+
+def _keep_constants(model: nn.Module, graph: RefGraph) -> RefGraph:
+    """``graph`` with the tensors its capture made in forward (the ``_tensor_constant*`` attributes
+    it left on ``model``) kept in :attr:`RefGraph.constants`: a later capture replaces them."""
+    graph.constants = {
+        n.target: vars(model)[n.target]
+        for n in graph
+        if n.kind == BUFFER and isinstance(n.target, str) and isinstance(vars(model).get(n.target), torch.Tensor)
+    }
+    return graph
 
 
 def _refuse_embedding_options(n: fx.Node, args: tuple, kwargs: dict) -> None:
