@@ -73,7 +73,10 @@ HEADS = {
     "arange-labels": lambda m, h, x, y: _ce(m, h, torch.arange(x.shape[0]) % 5),
     "linspace-weights": lambda m, h, x, y: (_rows_loss(m, h, y) * torch.linspace(0, 1, x.shape[0])).mean(),
     "arange-as-data": lambda m, h, x, y: _ce(m, h + torch.arange(x.shape[0]).unsqueeze(1), y),
+    # a divisor fixed at the batch's size: each micro-batch's loss would be divided by it too
+    "sum-over-12": lambda m, h, x, y: F.cross_entropy(m.out(h), y, reduction="sum") / 12.0,
     # rows independent
+    "sum-over-rows": lambda m, h, x, y: F.cross_entropy(m.out(h), y, reduction="sum") / x.shape[0],
     "zeros-state": lambda m, h, x, y: _ce(m, h + torch.zeros(x.shape[0], 8) + 1, y),
     "attention": lambda m, h, x, y: _ce(m, h, y),
     "ignore-index": lambda m, h, x, y: _ce(m, h, y.masked_fill(x[:, 0] < 4, -100), ignore_index=-100),
@@ -98,6 +101,7 @@ COUPLED = {
     "arange-labels": "torch.arange",
     "linspace-weights": "torch.arange",
     "arange-as-data": "the indices 0 .. 11 of the batch's rows",
+    "sum-over-12": "divided by 12.0 for the batch and by 12.0",
 }
 SEPARABLE = [h for h in HEADS if h not in COUPLED]
 
@@ -191,7 +195,7 @@ def _train(rank, world, head):
     return losses, module.full_state_dict()
 
 
-@pytest.mark.parametrize("head", ["zeros-state", "attention", "row-gather"])
+@pytest.mark.parametrize("head", ["zeros-state", "attention", "row-gather", "sum-over-rows"])
 def test_independent_rows_pipeline_exactly(head):
     results = run_distributed(_train, 2, head)
     model, (x, y) = _model(head), _data()

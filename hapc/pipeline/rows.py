@@ -219,6 +219,9 @@ def rows_coupled(whole: Any, micro: Any, parts: int, *, outputs: bool = True) ->
     row_ids: set[int] = set()  # torch.arange(batch) along the batch dim (see _row_ids)
     reduced: set[int] = set()  # sums over the rows (Partial) and scalar arithmetic on them: the loss's
     big_values, small_values = _Values(whole), _Values(micro)
+    divisor = _loss_divisor(whole, loss, micro[loss.index], parts)
+    if divisor is not None:
+        return divisor
     for n, m in zip(whole, micro):
         if n.index not in need or n.index == loss.index:  # the loss: a mean or a sum (loss_weighting)
             continue
@@ -336,6 +339,28 @@ def micro_trace(model: Any, inputs: Any, parts: int, batch: int, **trace_options
         for name in [k for k in vars(model) if k.startswith("_tensor_constant")]:
             delattr(model, name)
         vars(model).update(before)
+
+
+def _loss_divisor(whole: Any, loss: Any, small: Any, parts: int) -> str | None:
+    """A loss ``total / c`` -- ``total`` a sum over the rows -- whose number ``c`` does not scale
+    with the rows (``/ 12.0`` where the batch has 12, against ``/ x.shape[0]``): the pipeline weighs
+    such a loss as a mean of its micro-batches' (:func:`~hapc.pipeline.stages.loss_weighting`),
+    exact only where a micro-batch divides by ``c / M``. (A sum scaled before the division,
+    ``2 * total / c``, is not followed.)"""
+    if loss.kind != OP or loss.op not in ("div", "truediv") or len(loss.operands) != 1 or len(loss.args) != 2:
+        return None
+    total = whole[loss.operands[0]]
+    if total.kind != OP or not (total.op == "sum" or total.kwargs.get("reduction") == "sum"):
+        return None  # a mean already (or arithmetic on one): averaging the micro-batches' is exact
+    c, c_micro = loss.args[1], small.args[1]
+    if not isinstance(c, (int, float)) or not isinstance(c_micro, (int, float)) or c == parts * c_micro:
+        return None
+    return _reason(
+        loss,
+        f"the loss is divided by {c} for the batch and by {c_micro} for one of {parts} micro-batches: a pipeline "
+        "averages the micro-batches' losses, which is the batch's only for a divisor proportional to the rows "
+        "(divide by x.shape[0], or end in .mean())",
+    )
 
 
 def _reason(n: Any, why: str) -> str:

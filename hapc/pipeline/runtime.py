@@ -273,9 +273,9 @@ def micro_batch_dims(model: nn.Module, batch: Any, graph: Any, num_micro: int, w
     return dims
 
 
-#: ops whose backward couples a batch's rows: op -> (position, keyword) of the flag that does it
+#: ops whose backward couples a batch's rows: op -> (position, keyword) of the flag that does it,
+#: and what the op then does per micro-batch (forward couplings: hapc.pipeline.rows)
 _BATCH_COUPLED = {
-    # op: (position of the flag, its name, what the flag set makes it do per micro-batch)
     "embedding": (5, "scale_grad_by_freq", "scales each row's gradient by its token's count in each micro-batch"),
     "embedding_bag": (5, "scale_grad_by_freq", "scales each row's gradient by its token's count in each micro-batch"),
     # F.batch_norm written out (timm); the module form is refused by the module scan
