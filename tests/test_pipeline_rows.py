@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import assert_close, pipeline_spec, two_groups
+from harness import assert_close, pipeline_spec, sgd_steps, two_groups
 from torch import nn
 
 import hapc
@@ -198,15 +198,8 @@ def _train(rank, world, head):
 @pytest.mark.parametrize("head", ["zeros-state", "attention", "row-gather", "sum-over-rows"])
 def test_independent_rows_pipeline_exactly(head):
     results = run_distributed(_train, 2, head)
-    model, (x, y) = _model(head), _data()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    want = []
-    for _ in range(3):
-        optimizer.zero_grad()
-        loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        want.append(float(loss))
+    model = _model(head)
+    want = sgd_steps(model, _data(), steps=3, lr=0.5)
     for rank, (losses, state) in enumerate(results):
         assert_close(losses, want, F64, f"rank {rank} losses")
         assert_close(state, dict(model.state_dict()), F64, f"rank {rank} state")
