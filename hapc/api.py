@@ -385,22 +385,19 @@ def _mode_branch(model: torch.nn.Module, example_inputs: Any, graph: Any, **trac
     ``self.training`` branch: label smoothing in training only, an auxiliary loss), or None. The
     program is the traced mode's: switching modes must then be refused, never run silently."""
     from .theory import trace
+    from .theory.trace import constants_kept
 
     mode = model.training
-    # a capture keeps the tensors the forward makes from constants on the model (``_tensor_constant*``,
-    # as fx does); the other mode's are only compared here, and could be shapes only (a meta trace):
+    # the other mode's constants are only compared here, and could be shapes only (a meta trace):
     # they must not stay on the model, where the runtime would take them for the program's state
-    before = {k: v for k, v in vars(model).items() if k.startswith("_tensor_constant")}
     try:
-        model.train(not mode)
-        other = trace(model, example_inputs, **trace_opts)
+        with constants_kept(model):
+            model.train(not mode)
+            other = trace(model, example_inputs, **trace_opts)
     except Exception as exc:  # the other mode does not even capture: it is certainly different
         return f"the model in {'eval' if mode else 'training'} mode ({type(exc).__name__}: {str(exc)[:120]})"
     finally:
         model.train(mode)
-        for name in [k for k in vars(model) if k.startswith("_tensor_constant")]:
-            delattr(model, name)
-        vars(model).update(before)
     a, b = _mode_key(graph), _mode_key(other)
     if a == b:
         return None

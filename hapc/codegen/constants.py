@@ -45,6 +45,7 @@ from torch import nn
 
 from ..errors import HapcError
 from ..theory.program_key import program_key
+from ..theory.trace import constants_kept
 from .original import guard_suspended
 
 __all__ = ["ConstantInputs", "check_constant_inputs", "constant_inputs"]
@@ -190,17 +191,13 @@ def untouched(model: nn.Module, mode: bool) -> Iterator[None]:
     ``_tensor_constant*`` attributes, the CPU RNG, and its guard (the capture calls it while it
     may be stale: only shapes are read)."""
     modes = [(m, m.training) for m in model.modules()]
-    consts = {k: v for k, v in vars(model).items() if k.startswith("_tensor_constant")}
     try:
-        with guard_suspended(model), torch.random.fork_rng(devices=[]):
+        with constants_kept(model), guard_suspended(model), torch.random.fork_rng(devices=[]):
             nn.Module.train(model, mode)  # the class's: the guard's model.train would switch the module too
             yield
     finally:
         for m, was in modes:
             m.training = was
-        for name in [k for k in vars(model) if k.startswith("_tensor_constant")]:
-            delattr(model, name)
-        vars(model).update(consts)
 
 
 def constant_inputs(model: nn.Module, example_inputs: Any, graph: Any, **options: Any) -> ConstantInputs:

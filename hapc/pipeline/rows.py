@@ -328,17 +328,13 @@ def micro_trace(model: Any, inputs: Any, parts: int, batch: int, **trace_options
     rows), leaving the tensors an earlier capture attached to the model (``_tensor_constant*``) as
     they were: a program built from that capture reads them."""
     from ..theory import trace
+    from ..theory.trace import constants_kept
     from .runtime import micro_batches
 
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
-    before = {k: v for k, v in vars(model).items() if k.startswith("_tensor_constant")}
-    try:
+    with constants_kept(model):
         return trace(model, micro_batches(inputs, parts, batch)[0], **trace_options)
-    finally:
-        for name in [k for k in vars(model) if k.startswith("_tensor_constant")]:
-            delattr(model, name)
-        vars(model).update(before)
 
 
 def _loss_divisor(whole: Any, loss: Any, small: Any, parts: int) -> str | None:

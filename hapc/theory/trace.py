@@ -24,7 +24,7 @@ import os
 import sys
 import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -461,6 +461,21 @@ def trace(
                 f"{fx_error}\n  (torch.export could not capture it either: {export_error})"
                 + (f"\n  {hint}" if hint else "")
             ) from fx_error
+
+
+@contextlib.contextmanager
+def constants_kept(model: nn.Module) -> Iterator[None]:
+    """Leave the tensors a capture attaches to ``model`` (its ``_tensor_constant*`` attributes, as
+    fx does) as they were before the block: a capture inside it (the other train/eval mode, one
+    micro-batch, a replay) may replace them, and the program built from the earlier capture reads
+    them. Those the block made are removed, those it replaced restored."""
+    before = {k: v for k, v in vars(model).items() if k.startswith("_tensor_constant")}
+    try:
+        yield
+    finally:
+        for name in [k for k in vars(model) if k.startswith("_tensor_constant")]:
+            delattr(model, name)
+        vars(model).update(before)
 
 
 def _keep_constants(model: nn.Module, graph: RefGraph) -> RefGraph:
