@@ -503,20 +503,14 @@ def _compile_segmented(
         synth = {k: v for k, v in options.items() if k in SYNTH_OPTIONS}
         theory_opts = {k: v for k, v in options.items() if k in THEORY_OPTIONS}
 
-        def make() -> dict[str, Any]:
-            try:
-                ch = choose_plan(
-                    model, cluster, example_inputs, kinds=("segmented",), synth_options=synth,
-                    theory_options=theory_opts,
-                )  # fmt: skip
-            except HapcError as exc:
-                return {"error": str(exc)}
+        def make() -> dict[str, Any]:  # an error here is raised on every rank (broadcast_json)
+            ch = choose_plan(
+                model, cluster, example_inputs, kinds=("segmented",), synth_options=synth,
+                theory_options=theory_opts,
+            )  # fmt: skip
             return ch.plan.to_json()
 
-        data = broadcast_json(make, group=group)
-        if "error" in data:
-            raise HapcError(data["error"])
-        plan = SegmentedPlan.from_json(data)
+        plan = SegmentedPlan.from_json(broadcast_json(make, group=group))
     plan.check(cluster=cluster)
     refuse_held_gradients(model, "segmented", group)
     module = SegmentedModule(model, example_inputs, plan, group=group, device=device, seed=seed, outputs=outputs)
@@ -543,7 +537,6 @@ def _agree_on_choice(
     0 is sent too, and raised on every rank (no rank is left waiting for a plan)."""
     import torch.distributed as dist
 
-    from . import errors
     from ._util import broadcast_json
     from .pipeline.planner import PipelinePlan
 
@@ -551,16 +544,13 @@ def _agree_on_choice(
         torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
     )
 
-    def make() -> dict[str, Any]:
+    def make() -> dict[str, Any]:  # an error here is raised on every rank, with its class (broadcast_json)
         synth_opts = {k: v for k, v in options.items() if k in SYNTH_OPTIONS}
-        try:
-            ch = choose_plan(
-                model, cluster, example_inputs, kinds=kinds, num_micro=num_micro, theory=theory,
-                synth_options=synth_opts, theory_options=theory_opts, pipeline_blocked=blocked, recompute=recompute,
-                outputs=outputs,
-            )  # fmt: skip
-        except HapcError as exc:
-            return {"error": str(exc), "type": type(exc).__name__}
+        ch = choose_plan(
+            model, cluster, example_inputs, kinds=kinds, num_micro=num_micro, theory=theory,
+            synth_options=synth_opts, theory_options=theory_opts, pipeline_blocked=blocked, recompute=recompute,
+            outputs=outputs,
+        )  # fmt: skip
         return {"kind": ch.kind, "plan": ch.plan.to_json(), "kinds": [k.to_json() for k in ch.kinds]}
 
     waiting = (
@@ -571,9 +561,6 @@ def _agree_on_choice(
         "hapc.compile(..., plan='plan.json'))"
     )
     data = broadcast_json(make, group=group, device=dev, waiting=waiting)
-    if "error" in data:
-        cls = getattr(errors, data["type"], HapcError)
-        raise (cls if isinstance(cls, type) and issubclass(cls, HapcError) else HapcError)(data["error"])
     if data["kind"] == "segmented":
         from .segmented import SegmentedPlan
 
