@@ -110,6 +110,7 @@ class _Values:
     def __init__(self, graph: Any):
         self.g, self.memo = graph, {}
         self.device = next((t.device for t in graph.module.parameters()), torch.device("cpu"))
+        self.buffers: dict[str, torch.Tensor] | None = None  # the module's, by name (on first need)
 
     def __call__(self, i: int) -> torch.Tensor | None:
         if i in self.memo:
@@ -120,7 +121,9 @@ class _Values:
             if n.kind == BUFFER:
                 value = self.g.constants.get(n.target)
                 if value is None:
-                    value = dict(self.g.module.named_buffers()).get(n.target)
+                    if self.buffers is None:
+                        self.buffers = dict(self.g.module.named_buffers())
+                    value = self.buffers.get(n.target)
             elif n.kind == OP and all(self(o) is not None for o in n.operands):
                 a, k = map_refs((n.args, n.kwargs), lambda r: self(r.index))
                 a, k = _with_device((a, k), self.device)  # `device=x.device`: the model's device
