@@ -37,7 +37,7 @@ def test_benchmark_smoke(script, tmp_path):
         timeout=600,
         cwd=ROOT,
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0, _failure(proc.stderr)
     result = json.loads(out.read_text())
     assert result
     _check_printed(script, proc.stdout, result)
@@ -56,13 +56,24 @@ def test_realworld_smoke(tmp_path):
         timeout=600,
         cwd=ROOT,
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0, _failure(proc.stderr)
     rows = json.loads(out.read_text())["rows"]
     assert list(rows) == models
     assert rows["gpt2"]["status"] == "ok", rows["gpt2"]["status"]
     assert rows["gpt2"]["hapc_ms"] > 0 and rows["gpt2"]["dpev_ms"] >= rows["gpt2"]["hapc_ms"]
     for row in rows.values():
         assert f"| {row['model']} |" in proc.stdout
+
+
+def _failure(stderr: str) -> str:
+    """What a failed benchmark wrote to stderr, cut for the assertion message: its first lines, every
+    line that names an error (each rank's, where several processes failed: the first may be another
+    rank's "connection reset" after the one that raised), and its last lines."""
+    lines = stderr.splitlines()
+    if len(lines) <= 50:
+        return stderr[-6000:]
+    errors = [ln for ln in lines[20:-30] if "Error" in ln or "error:" in ln or "Traceback" in ln]
+    return "\n".join([*lines[:20], "...", *errors[:40], "...", *lines[-30:]])[-6000:]
 
 
 def _check_printed(script: str, stdout: str, result: dict) -> None:
