@@ -499,6 +499,8 @@ def _fuse_sources(triples: list[Triple], g: RefGraph) -> list[Triple]:
     precondition became empty is fused again only if it computes from parameters and constants
     alone (``w.t()``, a causal mask); one that reads model inputs (the first layer) stays a triple
     the search may place anywhere -- fusing whole input-fed chains would multiply strategies.
+    A source is not fused into a consumer whose every result it already holds (a static op made
+    again from a chain that made it): the source alone is never dearer and serves the same consumers.
     """
     static = _static_nodes(g)
     data = {i for i in static_data(g) if g[i].kind == OP}
@@ -547,6 +549,11 @@ def _fuse_sources(triples: list[Triple], g: RefGraph) -> list[Triple]:
                         continue
                     if src.tokens & fused.tokens or src.post & covered:
                         break  # the same tensor sourced twice in one triple
+                    if t.post <= src.post:
+                        # nothing new (see the docstring). Unchecked, such chains grew every round:
+                        # a tiny GPT reading its head weight's mean had 35k triples, not 1.3k
+                        # (tests/test_source_fusion.py), DeBERTa 43k, not 26k
+                        break
                     used.add(id(src))
                     covered |= src.post
                     fused = fused.fuse_after(src)
