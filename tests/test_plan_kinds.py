@@ -305,7 +305,11 @@ def _one_loop(rank, world):
                     (first + second).backward()
                 with pytest.raises(hapc.HapcError) as seeds:
                     (module(*inputs) * (1 + rank)).backward()
-                got["refused"] = [str(accumulate.value), str(seeds.value)]
+                loss = module(*inputs)
+                loss.backward(retain_graph=True)  # on one device a second backward adds the gradients again
+                with pytest.raises(hapc.HapcError) as again:
+                    loss.backward()
+                got["refused"] = [str(accumulate.value), str(seeds.value), str(again.value)]
             out[name, ddp_style] = got
     return out
 
@@ -333,9 +337,10 @@ def test_one_training_loop_serves_every_plan_kind():
             for k, v in state.items():
                 torch.testing.assert_close(got["state"][k], v, rtol=1e-9, atol=1e-12, msg=f"{what}: {k}")
             if ddp_style and name == "slow":
-                accumulate, seeds = got["refused"]
+                accumulate, seeds, again = got["refused"]
                 assert "followed by another forward" in accumulate and "one backward per forward" in accumulate
                 assert "differs between the ranks (from 1 to 2)" in seeds
+                assert "backpropagated already" in again and "retain_graph=True does not keep them" in again
             if ddp_style:
                 assert got["eval"] == pytest.approx(evaluation, rel=1e-10), what
                 for k, v in grads.items():

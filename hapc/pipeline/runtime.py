@@ -974,6 +974,13 @@ class _PipelineLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
+        if ctx.step is None:  # loss.backward(retain_graph=True), then loss.backward() again
+            raise HapcError(
+                "this loss of a pipelined module was backpropagated already: its micro-batches' activations are "
+                "freed by the first backward (retain_graph=True does not keep them). One backward per forward: "
+                "call the module again for another backward, or scale the loss once ((2 * loss).backward() adds "
+                "what two backwards of it would)"
+            )
         ctx.pm._backward(ctx.step, float(grad))
         ctx.step = None  # its activations and buffers are not held past the backward
         return None, None, None, None
