@@ -277,6 +277,13 @@ class _Translator:
             return out
         if kind in ("CONSTANT_TENSOR", "CUSTOM_OBJ"):
             value = self.ep.constants[target]
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                raise TraceError(
+                    f"{target.removeprefix('m.')}: a tensor that wants a gradient is held as a plain attribute, "
+                    "not an nn.Parameter: captured, it would be a constant whose gradient is lost -- silently "
+                    "unlike one device. Make it a parameter (nn.Parameter, or register_parameter), or a buffer "
+                    "if it should not train"
+                )
             # a tensor the forward creates from constants: kept on the model as fx keeps its own
             # ``_tensor_constant*`` attributes (a plain attribute: not in the model's state_dict)
             name = "_tensor_constant_" + target.removeprefix("m.").replace(".", "_")

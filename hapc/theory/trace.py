@@ -240,6 +240,17 @@ class _Tracer(fx.Tracer):
         last top-level call -- the output's, when the trace ends -- are kept in ``output_types``
         (:func:`_dict_types`) so the compiled module returns what the model does."""
         top = self._arg_depth == 0
+        if isinstance(a, torch.Tensor) and a.requires_grad and not isinstance(a, nn.Parameter):
+            # a tensor with a gradient computed eagerly while tracing: from parameters the trace
+            # never saw as graph values (iterated from self.parameters(), not read as self.fc.weight)
+            raise TraceError(
+                f"{_where()}: the forward computes on the model's parameters outside the trace (a tensor "
+                "with a gradient, made from parameters taken from self.parameters() / named_parameters() "
+                "or held in a plain attribute): captured, it would be a constant of the moment of tracing "
+                "whose gradient is lost -- silently unlike one device. Read each parameter as a module "
+                "attribute (self.fc.weight), or leave the term out of the model: an L2 penalty "
+                "c * sum(p.pow(2).sum()) is the optimizer's weight_decay=2*c (SGD)"
+            )
         if isinstance(a, slice) and any(map(_index_tensor, (a.start, a.stop, a.step))):
             a = _indexed_slice(a)
         if isinstance(a, torch.Tensor) and self.writes.current:  # a real tensor a traced write reached
